@@ -1,0 +1,50 @@
+# pdmesh: the two commands a newcomer needs are `make run` and `make test`.
+# Everything they need (virtual environment, pinned packages, generated gRPC code) is created on demand.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# Stamps record which requirement set is installed, so edits to requirements*.txt reinstall.
+RUNTIME_STAMP := $(VENV)/.runtime-$(shell cat requirements.txt | sha1sum | cut -c1-12)
+DEV_STAMP := $(VENV)/.dev-$(shell cat requirements.txt requirements-dev.txt | sha1sum | cut -c1-12)
+PROTO_SRC := $(shell find proto -name '*.proto' 2>/dev/null)
+PROTO_OUT := services/common/generated
+PROTO_STAMP := $(PROTO_OUT)/.stamp
+
+.PHONY: run test bench proto lint venv venv-dev clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(RUNTIME_STAMP): requirements.txt | $(VENV)/bin/python
+	$(PY) -m pip install -q -r requirements.txt
+	touch $@
+
+$(DEV_STAMP): requirements.txt requirements-dev.txt $(RUNTIME_STAMP)
+	$(PY) -m pip install -q -r requirements-dev.txt
+	touch $@
+
+venv: $(RUNTIME_STAMP)
+venv-dev: $(DEV_STAMP)
+
+$(PROTO_STAMP): $(PROTO_SRC) $(RUNTIME_STAMP) scripts/gen_proto.py
+	$(PY) scripts/gen_proto.py
+	touch $@
+
+proto: $(PROTO_STAMP)
+
+run: venv proto
+	$(PY) -m services.mesh
+
+test: venv-dev proto
+	$(PY) -m pytest -q tests
+
+bench: venv-dev proto
+	$(PY) bench/run_all.py
+
+lint: venv-dev
+	$(PY) -m ruff check services tests bench scripts
+
+clean:
+	rm -rf $(VENV) $(PROTO_OUT)

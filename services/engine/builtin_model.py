@@ -1,0 +1,58 @@
+"""The built-in default model: a tiny Llama created deterministically from a seed, no files needed.
+
+Weights are drawn with fan-in scaling (not the usual 0.02) so that logits are well separated:
+greedy decoding then does not sit on near-ties that float rounding could flip between a batched
+and an unbatched run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from services.common.builtin_tokenizer import BUILTIN_BOS_ID, BUILTIN_EOS_IDS, BUILTIN_VOCAB_SIZE
+from services.engine.model import CausalLM
+from services.engine.model_config import ModelConfig
+
+BUILTIN_NAME = "pdmesh-tiny"
+BUILTIN_SEED = 20261129
+
+
+def builtin_config() -> ModelConfig:
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=BUILTIN_VOCAB_SIZE,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,  # grouped-query attention, like the real models
+        head_dim=32,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=BUILTIN_BOS_ID,
+        eos_token_ids=BUILTIN_EOS_IDS,  # <|eos|> and the chat template's <|end|>
+        name=BUILTIN_NAME,
+    )
+
+
+def builtin_model() -> CausalLM:
+    """Always the same weights (on CPU, float32); move with .to(device, dtype)."""
+    config = builtin_config()
+    model = CausalLM(config)
+    gen = torch.Generator().manual_seed(BUILTIN_SEED)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith("bias"):
+                param.zero_()
+            elif name == "model.embed_tokens.weight":
+                param.copy_(torch.randn(param.shape, generator=gen))
+            else:
+                fan_in = param.shape[1]
+                param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(fan_in))
+    return model.eval()

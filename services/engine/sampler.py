@@ -1,0 +1,68 @@
+"""Token sampling: greedy, temperature, top-k, top-p, with per-request seeds.
+
+A seeded request draws its random number for the token at position p from a generator keyed by
+(seed, p), not from a stream that advances with every draw. So prefill (which samples the first
+token) and decode (which samples the rest) on different machines reproduce exactly what a
+single-process run samples, whatever the batch composition.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from services.engine.sampling_params import SamplingParams
+
+
+def _uniform(seed: int | None, position: int) -> float:
+    if seed is None:
+        return float(torch.rand(()).item())
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+    return float(torch.rand((), generator=gen).item())
+
+
+def _filtered_probs(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (probs over the sorted candidate list, their token ids), descending."""
+    scaled = logits / params.temperature
+    sorted_logits, sorted_ids = torch.sort(scaled, descending=True)
+    if params.top_k and params.top_k > 0:
+        sorted_logits = sorted_logits[: params.top_k]
+        sorted_ids = sorted_ids[: params.top_k]
+    probs = torch.softmax(sorted_logits, dim=-1)
+    if params.top_p < 1.0:
+        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        before = torch.cumsum(probs, dim=-1) - probs
+        keep = before < params.top_p
+        probs = probs[keep]
+        sorted_ids = sorted_ids[keep]
+        probs = probs / probs.sum()
+    return probs, sorted_ids
+
+
+class Sampler:
+    def sample(
+        self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
+    ) -> tuple[list[int], list[float]]:
+        """logits [B, V] float32; positions[i] = the position the sampled token will occupy.
+
+        Returns the chosen token ids and their logprobs under the raw (untempered) distribution,
+        as OpenAI-compatible servers report them.
+        """
+        logits = logits.float()
+        logprobs_all = torch.log_softmax(logits, dim=-1)
+        greedy_ids = torch.argmax(logits, dim=-1).tolist()
+        tokens: list[int] = []
+        for i, p in enumerate(params):
+            if p.greedy:
+                tokens.append(greedy_ids[i])
+                continue
+            probs, ids = _filtered_probs(logits[i], p)
+            u = _uniform(p.seed, positions[i])
+            cdf = torch.cumsum(probs.double(), dim=-1)
+            idx = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype)).item())
+            tokens.append(int(ids[min(idx, ids.numel() - 1)].item()))
+        chosen = torch.tensor(tokens, device=logits.device)
+        logprobs = logprobs_all[torch.arange(len(tokens), device=logits.device), chosen].tolist()
+        return tokens, logprobs

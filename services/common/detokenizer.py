@@ -1,0 +1,66 @@
+"""Turn generated token ids into text one token at a time, for streaming and stop strings.
+
+Decoding a single token on its own is wrong in two ways: a UTF-8 character may be split over
+several byte tokens, and sentencepiece-style decoders drop the leading space of the *first*
+token they see. So each step decodes a short window of recent tokens twice, once without and
+once with the new tokens, and emits the difference; text is held back while it ends in an
+incomplete character (U+FFFD). This is the prefix/read-offset scheme vLLM and TGI use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.common.tokenizer import Tokenizer
+
+REPLACEMENT_CHAR = "\ufffd"
+
+# Prompt tokens decoded as context before the first generated token, so its leading space is
+# kept as it would be mid-sentence. A few tokens are enough for every decoder we know of.
+PROMPT_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Feed ids with add(); each call returns only text that is now complete."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] | None = None, skip_special_tokens: bool = True
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        # Only a window of ids is kept: [prefix_offset, read_offset) was already emitted and serves
+        # as context, [read_offset, end) is not emitted yet.
+        self._ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]) if prompt_ids else []
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._chunks: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        return "".join(self._chunks)
+
+    def add(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """Emit whatever is held back (e.g. an incomplete character at the end of generation)."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        context_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        window_text = self._decode(self._ids[self._prefix_offset :])
+        if len(window_text) <= len(context_text):
+            return ""  # e.g. a skipped special token, or bytes that do not form a character yet
+        if window_text.endswith(REPLACEMENT_CHAR) and not final:
+            return ""  # wait for the rest of the character
+        new_text = window_text[len(context_text) :]
+        # The newly emitted tokens become the context of the next step; older ids are no longer needed.
+        del self._ids[: self._read_offset]
+        self._prefix_offset, self._read_offset = 0, len(self._ids)
+        self._chunks.append(new_text)
+        return new_text
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens) if ids else ""

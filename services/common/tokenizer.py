@@ -1,0 +1,430 @@
+"""One tokenizer interface for the router and the workers.
+
+`load_tokenizer(path)` returns the built-in byte tokenizer (path None/"builtin") or a Hugging Face
+tokenizer read from a local folder (`tokenizer.json` + `tokenizer_config.json` + optional
+`chat_template.jinja`, `generation_config.json`, `config.json`). Encoding, decoding and chat
+rendering follow what `transformers` does for the same folder, so a prompt tokenized here equals the
+prompt a user of transformers/vLLM would feed the model. No torch and no transformers import here:
+the router uses this module and holds no model.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as BackendTokenizer
+
+BUILTIN_NAMES = ("", "builtin")
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+EXTRA_CHAT_TEMPLATES_DIR = "additional_chat_templates"
+GENERATION_CONFIG_FILE = "generation_config.json"
+MODEL_CONFIG_FILE = "config.json"
+
+# The named special tokens transformers hands to every chat template (its `special_tokens_map`).
+NAMED_SPECIAL_TOKENS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+# Older names for a message's reasoning; transformers copies them to `reasoning_content` (and
+# `thinking`) so every template finds the reasoning under the name it reads.
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+class TokenizerLoadError(ValueError):
+    """The tokenizer folder is missing a file or holds something we cannot read."""
+
+
+class ChatTemplateError(ValueError):
+    """There is no chat template, it does not compile, or it refused the conversation."""
+
+
+class Tokenizer(ABC):
+    """What the router and workers need from a tokenizer; chat rendering is shared by all backends."""
+
+    def __init__(
+        self,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: Sequence[int],
+        pad_token_id: int | None,
+        special_token_strings: Mapping[str, str],
+        chat_templates: Mapping[str, str],
+    ) -> None:
+        self._bos_token_id = bos_token_id
+        self._eos_token_ids = list(dict.fromkeys(eos_token_ids))
+        self._pad_token_id = pad_token_id
+        self._special_token_strings = dict(special_token_strings)
+        self._chat_templates = dict(chat_templates)
+
+    # --- backend-specific -------------------------------------------------------------------
+
+    @abstractmethod
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; with add_special_tokens, the bos/eos the tokenizer adds to a sequence."""
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; incomplete UTF-8 at the end shows as U+FFFD."""
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included (max id + 1)."""
+
+    @abstractmethod
+    def is_special(self, token_id: int) -> bool:
+        """Whether `token_id` is a special (control) token that decode skips."""
+
+    # --- shared -----------------------------------------------------------------------------
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_token_id
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Every id that ends generation (tokenizer eos, then generation_config/config eos ids)."""
+        return list(self._eos_token_ids)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._pad_token_id
+
+    @property
+    def chat_template(self) -> str | None:
+        """The template used when no tools are given, or None when the tokenizer has none."""
+        return self._chat_templates.get("default")
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """Render `messages` with the chat template, as transformers' apply_chat_template(tokenize=False).
+
+        `chat_template` may be a template string or the name of one of the tokenizer's templates.
+        Extra keyword arguments become template variables (e.g. enable_thinking=False).
+        """
+        template = self._select_chat_template(chat_template, tools)
+        if not messages:
+            raise ChatTemplateError("cannot apply a chat template to an empty conversation")
+        if tools is not None and not all(isinstance(tool, Mapping) for tool in tools):
+            raise ChatTemplateError("tools must be JSON-schema dicts")
+        variables = {**self._special_token_strings, **kwargs}  # caller's variables win, as in transformers
+        return render_chat_template(
+            template,
+            messages=normalize_messages(messages),
+            tools=None if tools is None else [dict(tool) for tool in tools],
+            documents=None if documents is None else [dict(doc) for doc in documents],
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> list[int]:
+        """Prompt ids for a chat: the template writes bos and role tokens itself, so none are added."""
+        text = self.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs
+        )
+        return self.encode(text, add_special_tokens=False)
+
+    def _select_chat_template(self, requested: str | None, tools: object) -> str:
+        # Same choice as transformers: a named template if asked for, the "tool_use" one when tools
+        # are given and it exists, otherwise "default".
+        if requested is not None:
+            return self._chat_templates.get(requested, requested)
+        if tools is not None and "tool_use" in self._chat_templates:
+            return self._chat_templates["tool_use"]
+        if "default" in self._chat_templates:
+            return self._chat_templates["default"]
+        if self._chat_templates:
+            names = ", ".join(sorted(self._chat_templates))
+            raise ChatTemplateError(
+                f"the tokenizer has several chat templates ({names}) and none named 'default'"
+            )
+        raise ChatTemplateError(
+            "the tokenizer has no chat template (tokenizer_config.json or chat_template.jinja)"
+        )
+
+
+# --- chat template rendering ----------------------------------------------------------------
+
+
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Copy messages into plain dicts the way transformers does before rendering.
+
+    Keys whose value is None are dropped: OpenAI clients send `content: null` next to tool calls,
+    and templates test for a missing key, not for None. Reasoning under an older name is copied
+    to `reasoning_content` and `thinking`.
+    """
+    normalized = []
+    for message in messages:
+        if not isinstance(message, Mapping):
+            raise ChatTemplateError(f"chat messages must be dicts, got {type(message).__name__}")
+        plain = {key: value for key, value in message.items() if value is not None}
+        reasoning = next((plain[key] for key in REASONING_FIELDS if key in plain), None)
+        if reasoning is not None:
+            plain = {"thinking": reasoning, **plain, "reasoning_content": reasoning}
+        normalized.append(plain)
+    return normalized
+
+
+def render_chat_template(template: str, **variables: Any) -> str:
+    """Render a Hugging Face chat template in the same sandbox transformers uses."""
+    compiled = _compile_chat_template(template)
+    try:
+        return compiled.render(**variables)
+    except Exception as exc:  # anything the template raises is the conversation's fault, not ours
+        raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+
+@lru_cache(maxsize=16)
+def _compile_chat_template(template: str) -> jinja2.Template:
+    # trim_blocks/lstrip_blocks and these helpers are what HF templates are written against;
+    # without them the whitespace (and therefore the tokens) differ from transformers.
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_template_error
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateError as exc:
+        raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators=None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's own tojson HTML-escapes and sorts keys; chat templates expect plain json.dumps output.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _raise_template_error(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+# --- Hugging Face folder ----------------------------------------------------------------------
+
+
+class HuggingFaceTokenizer(Tokenizer):
+    """A `tokenizers` backend configured like transformers' generic fast tokenizer."""
+
+    def __init__(
+        self, backend: BackendTokenizer, *, clean_up_tokenization_spaces: bool, **common: Any
+    ) -> None:
+        super().__init__(**common)
+        self._backend = backend
+        # transformers only applies the WordPiece-era space cleanup to non-BPE models.
+        self._clean_up_spaces = clean_up_tokenization_spaces and type(backend.model).__name__ != "BPE"
+        named_ids = {self._backend.token_to_id(token) for token in self._special_token_strings.values()}
+        flagged_ids = {
+            token_id for token_id, token in backend.get_added_tokens_decoder().items() if token.special
+        }
+        self._special_ids = frozenset((named_ids | flagged_ids) - {None})
+
+    @property
+    def backend(self) -> BackendTokenizer:
+        return self._backend
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        text = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return _clean_up_tokenization(text) if self._clean_up_spaces else text
+
+    @property
+    def vocab_size(self) -> int:
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids
+
+
+def _clean_up_tokenization(text: str) -> str:
+    for spaced, joined in (
+        (" .", "."),
+        (" ?", "?"),
+        (" !", "!"),
+        (" ,", ","),
+        (" ' ", "'"),
+        (" n't", "n't"),
+        (" 'm", "'m"),
+        (" 's", "'s"),
+        (" 've", "'ve"),
+        (" 're", "'re"),
+    ):
+        text = text.replace(spaced, joined)
+    return text
+
+
+def load_tokenizer(model_path: str | Path | None) -> Tokenizer:
+    """The built-in byte tokenizer for None/"builtin", else the tokenizer of a local HF folder."""
+    if model_path is None or str(model_path) in BUILTIN_NAMES:
+        from services.common.builtin_tokenizer import BuiltinTokenizer  # late: it subclasses Tokenizer
+
+        return BuiltinTokenizer()
+    return load_hf_tokenizer(Path(model_path))
+
+
+def load_hf_tokenizer(folder: Path) -> HuggingFaceTokenizer:
+    if not folder.is_dir():
+        raise TokenizerLoadError(f"tokenizer folder {folder} does not exist or is not a directory")
+    tokenizer_file = folder / TOKENIZER_FILE
+    if not tokenizer_file.is_file():
+        raise TokenizerLoadError(
+            f"{tokenizer_file} is missing: pdmesh reads only the fast-tokenizer file {TOKENIZER_FILE} "
+            "(convert a sentencepiece/tiktoken tokenizer with transformers' save_pretrained first)"
+        )
+    try:
+        backend = BackendTokenizer.from_file(str(tokenizer_file))
+    except Exception as exc:
+        raise TokenizerLoadError(f"cannot read {tokenizer_file}: {exc}") from exc
+    config = _read_json(folder / TOKENIZER_CONFIG_FILE)
+
+    special_strings = {
+        name: content
+        for name in NAMED_SPECIAL_TOKENS
+        if (content := _token_content(config.get(name))) is not None
+    }
+    _add_missing_tokens(backend, config, special_strings)
+    # "split_special_tokens" makes special-token strings in user text plain text, as in transformers.
+    backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
+    # bos/eos are added by tokenizer.json's post-processor alone (Llama 3's TemplateProcessing adds
+    # <|begin_of_text|>, Qwen2's adds nothing). transformers 5 ignores add_bos_token/add_eos_token
+    # in tokenizer_config.json whenever tokenizer.json exists, and so do we, so prompts match.
+
+    def id_of(name: str) -> int | None:
+        return backend.token_to_id(special_strings[name]) if name in special_strings else None
+
+    return HuggingFaceTokenizer(
+        backend,
+        clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
+        bos_token_id=id_of("bos_token"),
+        eos_token_ids=_stop_token_ids(folder, id_of("eos_token")),
+        pad_token_id=id_of("pad_token"),
+        special_token_strings=special_strings,
+        chat_templates=_load_chat_templates(folder, config),
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise TokenizerLoadError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise TokenizerLoadError(f"{path} must hold a JSON object")
+    return data
+
+
+def _token_content(value: Any) -> str | None:
+    # tokenizer_config.json spells a token as a string or as a serialized AddedToken dict.
+    if isinstance(value, Mapping):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _add_missing_tokens(
+    backend: BackendTokenizer, config: Mapping[str, Any], special_strings: Mapping[str, str]
+) -> None:
+    # Usually tokenizer.json already lists every added token. When tokenizer_config.json declares
+    # more (added_tokens_decoder, named or extra special tokens), transformers appends them; so do we,
+    # so that ids agree.
+    known = {token.content for token in backend.get_added_tokens_decoder().values()}
+    declared: list[AddedToken] = []
+    for _, spec in sorted(config.get("added_tokens_decoder", {}).items(), key=lambda item: int(item[0])):
+        declared.append(
+            AddedToken(
+                spec["content"],
+                single_word=spec.get("single_word", False),
+                lstrip=spec.get("lstrip", False),
+                rstrip=spec.get("rstrip", False),
+                normalized=spec.get("normalized", not spec.get("special", False)),
+                special=spec.get("special", False),
+            )
+        )
+    extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
+    extra_strings = extra.values() if isinstance(extra, Mapping) else extra
+    for content in [*special_strings.values(), *(_token_content(token) for token in extra_strings)]:
+        if content is not None:
+            declared.append(AddedToken(content, special=True, normalized=False))
+    for token in declared:
+        if token.content in known:
+            continue
+        known.add(token.content)
+        if token.special:
+            backend.add_special_tokens([token])
+        else:
+            backend.add_tokens([token])
+
+
+def _load_chat_templates(folder: Path, config: Mapping[str, Any]) -> dict[str, str]:
+    # transformers: templates saved as files (chat_template.jinja = "default", plus
+    # additional_chat_templates/<name>.jinja) replace the ones inside tokenizer_config.json.
+    from_files: dict[str, str] = {}
+    if (folder / CHAT_TEMPLATE_FILE).is_file():
+        from_files["default"] = (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+    extra_dir = folder / EXTRA_CHAT_TEMPLATES_DIR
+    if extra_dir.is_dir():
+        for path in sorted(extra_dir.glob("*.jinja")):
+            from_files[path.stem] = path.read_text(encoding="utf-8")
+    if from_files:
+        return from_files
+    template = config.get("chat_template")
+    if isinstance(template, str):
+        return {"default": template}
+    if isinstance(template, list):
+        return {entry["name"]: entry["template"] for entry in template}
+    return {}
+
+
+def _stop_token_ids(folder: Path, tokenizer_eos_id: int | None) -> list[int]:
+    # Instruct models often stop on more than the tokenizer's eos (Llama 3: <|eot_id|> and
+    # <|end_of_text|>); generation_config.json and config.json list them.
+    ids = [] if tokenizer_eos_id is None else [tokenizer_eos_id]
+    for name in (GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE):
+        value = _read_json(folder / name).get("eos_token_id")
+        ids += [value] if isinstance(value, int) else [v for v in value or [] if isinstance(v, int)]
+    return list(dict.fromkeys(ids))

@@ -1,0 +1,128 @@
+"""Every configuration knob of every pdmesh service, in one place.
+
+Each knob is a CLI flag with a `PDMESH_*` environment twin (the flag wins) and a documented
+default; `--help` of each service lists all three.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+def _bool(text: str) -> bool:
+    low = str(text).strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str  # without leading dashes, e.g. "inflight-timeout"
+    type: Callable[[str], Any]
+    default: Any
+    help: str
+    choices: Sequence[Any] | None = None
+    repeatable: bool = False  # may be given several times; env twin is comma-separated
+
+    @property
+    def env(self) -> str:
+        return "PDMESH_" + self.name.upper().replace("-", "_")
+
+    @property
+    def dest(self) -> str:
+        return self.name.replace("-", "_")
+
+
+# --- knobs shared by both workers ------------------------------------------------------------
+WORKER_FLAGS = [
+    Flag("model", str, "builtin", "Hugging Face model folder, or 'builtin' for the built-in tiny model"),
+    Flag("device", str, "auto", "torch device: cpu, cuda:N, or auto (first GPU if any, else cpu)"),
+    Flag("dtype", str, "auto", "float32, bfloat16, float16, or auto (float32 on cpu, bfloat16 on cuda)",
+         choices=("auto", "float32", "bfloat16", "float16")),
+    Flag("host", str, "127.0.0.1", "address the gRPC and HTTP servers bind to"),
+    Flag("worker-id", str, "", "stable name of this worker in logs and metrics (default: role-host-port)"),
+    Flag("page-size", int, 16, "tokens per KV page"),
+    Flag("num-pages", int, 4096, "KV pages in this worker's pool (allocated once at start)"),
+    Flag("watchdog-interval", float, 1.0, "seconds between watchdog sweeps (runs even when idle)"),
+    Flag("faults", str, "", "fault injection spec, e.g. 'delay_forward=5,stall_transfer' (off by default)"),
+    Flag("log-level", str, "info", "debug, info, warning or error"),
+]
+
+PREFILL_FLAGS = [
+    *WORKER_FLAGS,
+    Flag("grpc-port", int, 50051, "gRPC port (Prefill, KVBootstrap, Health)"),
+    Flag("http-port", int, 8081, "HTTP port (/metrics, /health)"),
+    Flag("chunked-prefill-size", int, 512, "token budget of one prefill forward; longer prompts are chunked"),
+    Flag("bootstrap-timeout", float, 300.0, "seconds a request may wait in the bootstrap queue for decode to attach"),
+    Flag("inflight-timeout", float, 60.0, "seconds a request may stay in the inflight queue (KV being sent)"),
+]
+
+DECODE_FLAGS = [
+    *WORKER_FLAGS,
+    Flag("grpc-port", int, 50052, "gRPC port (Decode, Health)"),
+    Flag("http-port", int, 8082, "HTTP port (/metrics, /health)"),
+    Flag("max-running-requests", int, 64, "largest decode batch"),
+    Flag("prealloc-timeout", float, 300.0, "seconds a request may wait in the prealloc queue for KV pages"),
+    Flag("transfer-timeout", float, 60.0, "seconds from prefill's forward-done signal until the KV must have arrived"),
+    Flag("heartbeat-interval", float, 2.0, "seconds between heartbeats to each prefill this worker waits on"),
+    Flag("heartbeat-max-failures", int, 3, "failed heartbeats in a row after which a prefill's rooms fail"),
+]
+
+ROUTER_FLAGS = [
+    Flag("host", str, "127.0.0.1", "address the HTTP server binds to"),
+    Flag("port", int, 8000, "HTTP port of the OpenAI-compatible API"),
+    Flag("model", str, "builtin", "model folder for the tokenizer and chat template, or 'builtin'"),
+    Flag("served-model-name", str, "", "model name clients use (default: the model folder's name)"),
+    Flag("prefill", str, [], "prefill worker host:port (repeatable)", repeatable=True),
+    Flag("decode", str, [], "decode worker host:port (repeatable)", repeatable=True),
+    Flag("policy", str, "round_robin", "worker selection policy",
+         choices=("round_robin", "least_loaded", "power_of_two")),
+    Flag("api-key", str, "", "require 'Authorization: Bearer KEY' when set"),
+    Flag("request-timeout", float, 600.0, "seconds after which a request fails with 504"),
+    Flag("log-level", str, "info", "debug, info, warning or error"),
+]
+
+
+def _from_env(flag: Flag) -> Any:
+    raw = os.environ.get(flag.env)
+    if raw is None:
+        return flag.default
+    if flag.repeatable:
+        return [flag.type(x.strip()) for x in raw.split(",") if x.strip()]
+    return (_bool if flag.type is bool else flag.type)(raw)
+
+
+def build_parser(prog: str, description: str, flags: Sequence[Flag]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    for flag in flags:
+        kwargs: dict[str, Any] = {
+            "dest": flag.dest,
+            "default": _from_env(flag),
+            "help": f"{flag.help} [env {flag.env}; default: {flag.default!r}]",
+            "type": _bool if flag.type is bool else flag.type,
+        }
+        if flag.choices:
+            kwargs["choices"] = flag.choices
+        if flag.repeatable:
+            kwargs["action"] = "append"
+            kwargs["default"] = None
+        parser.add_argument(f"--{flag.name}", **kwargs)
+    return parser
+
+
+def parse_args(prog: str, description: str, flags: Sequence[Flag], argv: Sequence[str] | None = None):
+    args = build_parser(prog, description, flags).parse_args(argv)
+    for f in flags:
+        if f.repeatable:
+            # command-line values replace the env twin; commas separate values in both
+            given = getattr(args, f.dest)
+            values = _from_env(f) if given is None else given
+            setattr(args, f.dest, [x.strip() for v in values for x in str(v).split(",") if x.strip()])
+    return args

@@ -1,0 +1,101 @@
+"""Every Prometheus metric of pdmesh, defined here and nowhere else.
+
+Names follow SGLang's with a `pdmesh:` prefix, so dashboards port by swapping the prefix.
+Queue gauges are computed at scrape time from the live queues (set_function), never stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+PREFIX = "pdmesh:"
+LABELS = ("model_name", "engine_type", "worker")
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+BYTES_BUCKETS = tuple(float(4**i * 1024) for i in range(12))  # 1 KiB .. 4 GiB
+
+# Queue gauges per role (computed from live state at scrape time).
+PREFILL_GAUGES = (
+    "num_prefill_bootstrap_queue_reqs",
+    "num_prefill_inflight_queue_reqs",
+    "num_queue_reqs",
+    "num_running_reqs",
+    "token_usage",
+)
+DECODE_GAUGES = (
+    "num_decode_prealloc_queue_reqs",
+    "num_decode_transfer_queue_reqs",
+    "num_running_reqs",
+    "token_usage",
+)
+ROUTER_GAUGES = ("num_running_reqs",)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    """One registry per process; label values fixed at construction."""
+
+    def __init__(self, engine_type: str, model_name: str, worker: str):
+        self.registry = CollectorRegistry()
+        self.labels = {"model_name": model_name, "engine_type": engine_type, "worker": worker}
+        r = self.registry
+        gauge_names = {"prefill": PREFILL_GAUGES, "decode": DECODE_GAUGES, "router": ROUTER_GAUGES}[engine_type]
+        self._gauges = {n: Gauge(PREFIX + n, _GAUGE_HELP[n], LABELS, registry=r) for n in gauge_names}
+        self.up = Gauge(PREFIX + "up", "1 while this process serves", LABELS, registry=r)
+        self.up.labels(**self.labels).set(1)
+
+        def counter(name, doc, extra=()):
+            return Counter(PREFIX + name, doc, LABELS + tuple(extra), registry=r)
+
+        def histogram(name, doc, buckets=LATENCY_BUCKETS):
+            return Histogram(PREFIX + name, doc, LABELS, buckets=buckets, registry=r)
+
+        self.num_requests = counter("num_requests_total", "requests received")
+        self.num_aborted_requests = counter("num_aborted_requests_total", "requests aborted (client, peer or watchdog)")
+        self.num_bootstrap_failed_reqs = counter(
+            "num_bootstrap_failed_reqs_total", "requests failed before decode attached / before prefill accepted"
+        )
+        self.num_transfer_failed_reqs = counter("num_transfer_failed_reqs_total", "requests whose KV transfer failed")
+        self.watchdog_evictions = counter(
+            "watchdog_evictions_total", "entries evicted by the watchdog for exceeding their queue deadline", ("queue",)
+        )
+        self.prompt_tokens = counter("prompt_tokens_total", "prompt tokens processed")
+        self.generation_tokens = counter("generation_tokens_total", "tokens generated")
+        self.router_requests = counter("router_requests_total", "router requests by HTTP status", ("status",))
+        self.worker_healthy = Gauge(
+            PREFIX + "worker_healthy", "1 if the router considers the worker healthy", LABELS + ("target",), registry=r
+        )
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "time to first token")
+        self.inter_token_latency = histogram("inter_token_latency_seconds", "time between consecutive tokens")
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "end-to-end request latency")
+        self.kv_transfer_latency = histogram("kv_transfer_latency_seconds", "KV transfer time (post to done)")
+        self.kv_transfer_bytes = histogram("kv_transfer_bytes", "bytes of KV sent per request", BYTES_BUCKETS)
+        self.event_loop_lag = histogram("event_loop_lag_seconds", "asyncio event loop scheduling lag")
+
+    # helpers that apply this process's labels
+    def gauge_from(self, name: str, fn: Callable[[], float]) -> None:
+        self._gauges[name].labels(**self.labels).set_function(fn)
+
+    def inc(self, metric: Counter, amount: float = 1.0, **extra) -> None:
+        metric.labels(**self.labels, **extra).inc(amount)
+
+    def observe(self, metric: Histogram, value: float) -> None:
+        metric.labels(**self.labels).observe(value)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+_GAUGE_HELP = {
+    "num_prefill_bootstrap_queue_reqs": "prefill requests waiting for decode to attach",
+    "num_prefill_inflight_queue_reqs": "prefill requests whose KV is being sent to decode",
+    "num_queue_reqs": "prefill requests waiting to be scheduled for a forward",
+    "num_running_reqs": "requests in a forward (prefill), the decode batch (decode), or in flight (router)",
+    "token_usage": "fraction of KV pages in use",
+    "num_decode_prealloc_queue_reqs": "decode requests waiting for KV pages",
+    "num_decode_transfer_queue_reqs": "decode requests waiting for their KV to arrive",
+}

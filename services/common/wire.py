@@ -1,0 +1,48 @@
+"""Conversions between the worker protos and the engine's plain Python types."""
+
+from __future__ import annotations
+
+from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
+from services.engine.sampling_params import SamplingParams
+
+
+def params_from_pb(p: wpb.SamplingParams) -> SamplingParams:
+    """Raises ValueError on invalid values (the servicer maps it to INVALID_ARGUMENT)."""
+    return SamplingParams(
+        temperature=float(p.temperature),
+        top_p=float(p.top_p) if p.top_p > 0 else 1.0,
+        top_k=int(p.top_k),
+        seed=int(p.seed) if p.HasField("seed") else None,
+        max_tokens=int(p.max_tokens) if p.max_tokens else 16,
+        stop_token_ids=tuple(int(t) for t in p.stop_token_ids),
+        ignore_eos=bool(p.ignore_eos),
+    )
+
+
+def params_to_pb(p: SamplingParams) -> wpb.SamplingParams:
+    msg = wpb.SamplingParams(
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        max_tokens=p.max_tokens,
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+    )
+    if p.seed is not None:
+        msg.seed = p.seed
+    return msg
+
+
+def validate_prompt(token_ids: list[int], params: SamplingParams, vocab_size: int, max_positions: int) -> str | None:
+    """None if the request can run on this model, else a message for INVALID_ARGUMENT."""
+    if not token_ids:
+        return "empty prompt"
+    bad = next((t for t in token_ids if t >= vocab_size), None)
+    if bad is not None:
+        return f"token id {bad} outside the vocabulary (size {vocab_size})"
+    if len(token_ids) + params.max_tokens > max_positions:
+        return (
+            f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+            f"model's context length {max_positions}"
+        )
+    return None

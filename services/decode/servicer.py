@@ -1,0 +1,67 @@
+"""gRPC `Decode` service: a server stream of token chunks per room."""
+
+from __future__ import annotations
+
+import grpc
+
+from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
+from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
+from services.common.logging_setup import bound_room, get_logger
+from services.common.wire import params_from_pb, validate_prompt
+from services.decode.worker import DecodeFailed, DecodeWorker
+from services.transfer.state import DuplicateRoom
+
+log = get_logger("decode.rpc")
+
+
+class DecodeServicer(wpb_grpc.DecodeServicer):
+    def __init__(self, worker: DecodeWorker):
+        self.worker = worker
+
+    async def Decode(self, request, context):
+        room = request.room
+        with bound_room(room):
+            try:
+                params = params_from_pb(request.params)
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid sampling params: {e}")
+            ids = list(request.token_ids)
+            cfg = self.worker.engine.config
+            why = validate_prompt(ids, params, cfg.vocab_size, cfg.max_position_embeddings)
+            if why is None and not request.prefill_addr:
+                why = "prefill_addr is required"
+            if why:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+            try:
+                job = self.worker.submit(room, ids, params, request.prefill_addr)
+            except DuplicateRoom as e:
+                await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+            log.info("decode request", prompt_tokens=len(ids), prefill=request.prefill_addr)
+            done = False
+            try:
+                while True:
+                    item = await job.out.get()
+                    if isinstance(item, DecodeFailed):
+                        done = True
+                        await context.abort(getattr(grpc.StatusCode, item.code), f"room {room}: {item.reason}")
+                    yield wpb.DecodeChunk(
+                        token_ids=item.token_ids,
+                        logprobs=item.logprobs,
+                        finish_reason=item.finish_reason,
+                        prompt_tokens=len(ids),
+                        completion_tokens=item.completion_tokens,
+                    )
+                    if item.finish_reason:
+                        done = True
+                        log.info("decode done", finish_reason=item.finish_reason, tokens=item.completion_tokens)
+                        return
+            finally:
+                if not done:
+                    # cancelled by the caller (client disconnect, stop string, router gone)
+                    self.worker.abort(room, "Decode RPC cancelled by the caller")
+
+    async def Abort(self, request, context):
+        with bound_room(request.room):
+            found = self.worker.abort(request.room, f"aborted: {request.reason or 'no reason given'}")
+            log.info("abort", found=found, reason=request.reason)
+            return wpb.AbortRoomReply(found=found)

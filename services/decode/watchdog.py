@@ -1,0 +1,21 @@
+"""Decode's watchdog sweep: evict rooms older in their queue than that queue's deadline.
+
+Queue <-> receiver state (DESIGN.md §3): prealloc = Bootstrapping (waiting for pages or for the
+attach), transfer phase 2 = Transferring (clock from prefill's forward-done signal). Phase 1
+(WaitingForInput: prefill still computing) has no clock: the heartbeats bound it by prefill's
+liveness, so a prefill of many minutes is never failed here.
+"""
+
+from __future__ import annotations
+
+from services.transfer.state import RoomState
+
+QUEUE_OF_STATE = {RoomState.BOOTSTRAPPING: "prealloc", RoomState.TRANSFERRING: "transfer"}
+
+
+def sweep(worker, prealloc_timeout: float, transfer_timeout: float) -> int:
+    deadlines = {RoomState.BOOTSTRAPPING: prealloc_timeout, RoomState.TRANSFERRING: transfer_timeout}
+    expired = worker.receiver.rooms.expired(deadlines)
+    for e in expired:
+        worker.evict(e.room, QUEUE_OF_STATE[e.state], e.age, deadlines[e.state])
+    return len(expired)

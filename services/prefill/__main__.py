@@ -1,0 +1,3 @@
+from services.prefill.main import main
+
+main()

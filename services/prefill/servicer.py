@@ -1,0 +1,66 @@
+"""gRPC `Prefill` service: one RPC per room, answered when its KV has reached decode."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
+from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
+from services.common.logging_setup import bound_room, get_logger
+from services.common.wire import params_from_pb, validate_prompt
+from services.prefill.worker import PrefillWorker, RoomFailed
+from services.transfer.state import DuplicateRoom
+
+log = get_logger("prefill.rpc")
+
+
+class PrefillServicer(wpb_grpc.PrefillServicer):
+    def __init__(self, worker: PrefillWorker):
+        self.worker = worker
+
+    async def Prefill(self, request, context):
+        room = request.room
+        with bound_room(room):
+            try:
+                params = params_from_pb(request.params)
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid sampling params: {e}")
+            cfg = self.worker.engine.config
+            ids = list(request.token_ids)
+            why = validate_prompt(ids, params, cfg.vocab_size, cfg.max_position_embeddings)
+            if why is None and self.worker.engine.pool.pages_for_tokens(len(ids)) > self.worker.engine.pool.num_pages:
+                why = f"prompt of {len(ids)} tokens needs more KV pages than this worker has"
+            if why:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+            try:
+                job = self.worker.submit(room, ids, params)
+            except DuplicateRoom as e:
+                await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+            log.info("prefill request", prompt_tokens=len(ids))
+            try:
+                result = await job.future
+            except asyncio.CancelledError:
+                # the caller went away (client disconnect, router restart): abort the room
+                self.worker.abort(room, "Prefill RPC cancelled by the caller")
+                raise
+            except RoomFailed as e:
+                code = grpc.StatusCode.DEADLINE_EXCEEDED if e.deadline_exceeded else grpc.StatusCode.UNAVAILABLE
+                log.info("prefill failed", reason=e.reason)
+                await context.abort(code, f"room {room}: {e.reason}")
+            log.info("prefill done", kv_bytes=result.kv_bytes, kv_seconds=round(result.kv_transfer_seconds, 6))
+            return wpb.PrefillReply(
+                room=room,
+                first_token=result.first_token,
+                first_logprob=result.first_logprob,
+                prompt_tokens=result.prompt_tokens,
+                kv_bytes=result.kv_bytes,
+                kv_transfer_seconds=result.kv_transfer_seconds,
+            )
+
+    async def Abort(self, request, context):
+        with bound_room(request.room):
+            found = self.worker.abort(request.room, f"aborted: {request.reason or 'no reason given'}")
+            log.info("abort", found=found, reason=request.reason)
+            return wpb.AbortRoomReply(found=found)

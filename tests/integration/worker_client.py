@@ -1,0 +1,79 @@
+"""A small client that drives one request through prefill and decode over real gRPC, the way
+the router does: Prefill and Decode issued at the same time with the same room id."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
+from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
+from services.common.grpc_server import channel
+from services.common.wire import params_to_pb
+from services.engine.sampling_params import SamplingParams
+
+
+def new_room() -> int:
+    return random.getrandbits(63)
+
+
+@dataclass
+class Outcome:
+    room: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = ""
+    prefill_error: grpc.aio.AioRpcError | None = None
+    decode_error: grpc.aio.AioRpcError | None = None
+    prefill_reply: wpb.PrefillReply | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.prefill_error is None and self.decode_error is None and bool(self.finish_reason)
+
+
+async def generate(
+    prefill_addr: str,
+    decode_addr: str,
+    token_ids: list[int],
+    params: SamplingParams,
+    room: int | None = None,
+    timeout: float = 60,
+) -> Outcome:
+    room = new_room() if room is None else room
+    out = Outcome(room)
+    async with channel(prefill_addr) as pch, channel(decode_addr) as dch:
+        p_stub, d_stub = wpb_grpc.PrefillStub(pch), wpb_grpc.DecodeStub(dch)
+        pb_params = params_to_pb(params)
+
+        async def do_prefill():
+            try:
+                out.prefill_reply = await p_stub.Prefill(
+                    wpb.PrefillRequest(room=room, token_ids=token_ids, params=pb_params), timeout=timeout
+                )
+            except grpc.aio.AioRpcError as e:
+                out.prefill_error = e
+
+        async def do_decode():
+            try:
+                stream = d_stub.Decode(
+                    wpb.DecodeRequest(room=room, prefill_addr=prefill_addr, token_ids=token_ids, params=pb_params),
+                    timeout=timeout,
+                )
+                async for chunk in stream:
+                    out.tokens.extend(chunk.token_ids)
+                    out.logprobs.extend(chunk.logprobs)
+                    if chunk.finish_reason:
+                        out.finish_reason = chunk.finish_reason
+            except grpc.aio.AioRpcError as e:
+                out.decode_error = e
+
+        await asyncio.gather(do_prefill(), do_decode())
+    return out
+
+
+def run(coro):
+    return asyncio.run(coro)

@@ -143,11 +143,17 @@ class Mesh:
     def start_decode(self, *extra: str, **kw) -> Proc:
         return self.start_worker("decode", *extra, **kw)
 
-    def restart(self, proc: Proc, wait: bool = True) -> Proc:
-        """Kill and start the same role on the same ports and flags (a new epoch)."""
+    def restart(self, proc: Proc, wait: bool = True, drop_flags: tuple[str, ...] = ()) -> Proc:
+        """Kill and start the same role on the same ports (a new epoch), with the same flags
+        except `drop_flags` (each removed with its value, e.g. "--faults")."""
         proc.kill()
         self.procs.remove(proc)
-        new = self._spawn(proc.role, proc.args, proc.http_port, proc.grpc_port, None)
+        args = list(proc.args)
+        for flag in drop_flags:
+            while flag in args:
+                i = args.index(flag)
+                del args[i : i + 2]
+        new = self._spawn(proc.role, args, proc.http_port, proc.grpc_port, None)
         if wait:
             self.wait_healthy(new)
         return new

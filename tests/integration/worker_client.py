@@ -42,7 +42,10 @@ async def generate(
     params: SamplingParams,
     room: int | None = None,
     timeout: float = 60,
+    cancel_on_failure: bool = True,
 ) -> Outcome:
+    """cancel_on_failure=False leaves the other RPC running when one fails, so a test can see
+    the worker end it on its own (heartbeat, deadline) instead of by cancellation."""
     room = new_room() if room is None else room
     out = Outcome(room)
     async with channel(prefill_addr) as pch, channel(decode_addr) as dch:
@@ -71,7 +74,15 @@ async def generate(
             except grpc.aio.AioRpcError as e:
                 out.decode_error = e
 
-        await asyncio.gather(do_prefill(), do_decode())
+        # As the router does: a failed Prefill cancels the Decode RPC and vice versa.
+        p_task, d_task = asyncio.ensure_future(do_prefill()), asyncio.ensure_future(do_decode())
+        pending = {p_task, d_task}
+        while pending:
+            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task, failed in ((d_task, out.prefill_error), (p_task, out.decode_error)):
+                if cancel_on_failure and failed is not None and task in pending:
+                    task.cancel()
+        await asyncio.gather(p_task, d_task, return_exceptions=True)
     return out
 
 

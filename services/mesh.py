@@ -1,0 +1,100 @@
+"""`make run`: the whole mesh on one machine — prefill, decode and router — on the built-in model.
+
+Starts the three services as child processes with the PDMESH_* settings of the environment
+(the Makefile loads deploy/pdmesh.env when present), waits until each is healthy, prints a
+ready-to-paste curl, and stops everything on Ctrl-C or when any service exits.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+PREFILL_GRPC = int(os.environ.get("PDMESH_PREFILL_GRPC_PORT", 50051))
+PREFILL_HTTP = int(os.environ.get("PDMESH_PREFILL_HTTP_PORT", 8081))
+DECODE_GRPC = int(os.environ.get("PDMESH_DECODE_GRPC_PORT", 50052))
+DECODE_HTTP = int(os.environ.get("PDMESH_DECODE_HTTP_PORT", 8082))
+ROUTER_PORT = int(os.environ.get("PDMESH_ROUTER_PORT", 8000))
+HOST = "127.0.0.1"
+
+
+def _start(role: str, args: list[str]) -> subprocess.Popen:
+    print(f"[mesh] starting {role}: python -m services.{role} {' '.join(args)}", flush=True)
+    return subprocess.Popen([sys.executable, "-m", f"services.{role}", *args])
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _wait(procs: dict[str, subprocess.Popen], urls: dict[str, str], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    pending = dict(urls)
+    while pending:
+        for role in list(pending):
+            if procs[role].poll() is not None:
+                raise SystemExit(f"[mesh] {role} exited with code {procs[role].returncode} during start-up")
+            if _healthy(pending[role]):
+                print(f"[mesh] {role} is healthy ({pending.pop(role)})", flush=True)
+        if time.monotonic() > deadline:
+            raise SystemExit(f"[mesh] timed out waiting for {sorted(pending)}")
+        time.sleep(0.2)
+
+
+def main() -> None:
+    procs = {
+        "prefill": _start("prefill", ["--host", HOST, "--grpc-port", str(PREFILL_GRPC), "--http-port", str(PREFILL_HTTP)]),
+        "decode": _start("decode", ["--host", HOST, "--grpc-port", str(DECODE_GRPC), "--http-port", str(DECODE_HTTP)]),
+    }
+    stopping = False
+
+    def stop(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        _wait(procs, {"prefill": f"http://{HOST}:{PREFILL_HTTP}/health", "decode": f"http://{HOST}:{DECODE_HTTP}/health"})
+        procs["router"] = _start(
+            "router",
+            ["--host", HOST, "--port", str(ROUTER_PORT),
+             "--prefill", f"{HOST}:{PREFILL_GRPC}", "--decode", f"{HOST}:{DECODE_GRPC}"],
+        )
+        _wait(procs, {"router": f"http://{HOST}:{ROUTER_PORT}/health"})
+        print(
+            "\n[mesh] ready: router http://{h}:{r}  prefill metrics http://{h}:{ph}/metrics  "
+            "decode metrics http://{h}:{dh}/metrics\n\n"
+            "curl http://{h}:{r}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            "  -d '{{\"model\": \"pdmesh-tiny\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
+            "\"max_tokens\": 32}}'\n\n[mesh] Ctrl-C stops everything.".format(
+                h=HOST, r=ROUTER_PORT, ph=PREFILL_HTTP, dh=DECODE_HTTP
+            ),
+            flush=True,
+        )
+        while not stopping and all(p.poll() is None for p in procs.values()):
+            time.sleep(0.5)
+        for role, p in procs.items():
+            if p.poll() is not None and not stopping:
+                print(f"[mesh] {role} exited with code {p.returncode}; stopping the mesh", flush=True)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in procs.values():
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+if __name__ == "__main__":
+    main()

@@ -10,6 +10,8 @@ DEV_STAMP := $(VENV)/.dev-$(shell cat requirements.txt requirements-dev.txt | sh
 PROTO_SRC := $(shell find proto -name '*.proto' 2>/dev/null)
 PROTO_OUT := services/common/generated
 PROTO_STAMP := $(PROTO_OUT)/.stamp
+# The one configuration file shared with docker compose (docs/deploy.md).
+ENV_FILE ?= deploy/pdmesh.env
 
 .PHONY: run test bench proto lint venv venv-dev clean
 
@@ -35,9 +37,10 @@ $(PROTO_STAMP): $(PROTO_SRC) $(RUNTIME_STAMP) scripts/gen_proto.py
 proto: $(PROTO_STAMP)
 
 run: venv proto
-	$(PY) -m services.mesh
+	set -a && . ./$(ENV_FILE) && set +a && exec $(PY) -m services.mesh
 
 test: venv-dev proto
+	@scripts/ensure_test_tools.sh
 	$(PY) -m pytest -q tests
 
 bench: venv-dev proto

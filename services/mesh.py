@@ -49,10 +49,32 @@ def _wait(procs: dict[str, subprocess.Popen], urls: dict[str, str], timeout: flo
         time.sleep(0.2)
 
 
+def _devices() -> tuple[str, str]:
+    """One device slice per worker: GPU 0 and GPU 1 when there are two, else shared/CPU."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+        gpus = sum(1 for line in out.splitlines() if line.startswith("GPU "))
+    except (OSError, subprocess.SubprocessError):
+        gpus = 0
+    if gpus >= 2:
+        return "cuda:0", "cuda:1"
+    if gpus == 1:
+        return "cuda:0", "cuda:0"
+    return "cpu", "cpu"
+
+
 def main() -> None:
+    p_dev, d_dev = _devices()
+    print(f"[mesh] devices: prefill {p_dev}, decode {d_dev}", flush=True)
     procs = {
-        "prefill": _start("prefill", ["--host", HOST, "--grpc-port", str(PREFILL_GRPC), "--http-port", str(PREFILL_HTTP)]),
-        "decode": _start("decode", ["--host", HOST, "--grpc-port", str(DECODE_GRPC), "--http-port", str(DECODE_HTTP)]),
+        "prefill": _start(
+            "prefill",
+            ["--host", HOST, "--grpc-port", str(PREFILL_GRPC), "--http-port", str(PREFILL_HTTP), "--device", p_dev],
+        ),
+        "decode": _start(
+            "decode",
+            ["--host", HOST, "--grpc-port", str(DECODE_GRPC), "--http-port", str(DECODE_HTTP), "--device", d_dev],
+        ),
     }
     stopping = False
 

@@ -63,6 +63,10 @@ class Metrics:
         self.watchdog_evictions = counter(
             "watchdog_evictions_total", "entries evicted by the watchdog for exceeding their queue deadline", ("queue",)
         )
+        # Create each queue's eviction series at 0, so a first eviction shows up as a rise
+        # (Prometheus' rate()/increase() cannot see a series that is born at 1).
+        for queue in _EVICTION_QUEUES.get(engine_type, ()):
+            self.watchdog_evictions.labels(**self.labels, queue=queue)
         self.prompt_tokens = counter("prompt_tokens_total", "prompt tokens processed")
         self.generation_tokens = counter("generation_tokens_total", "tokens generated")
         self.router_requests = counter("router_requests_total", "router requests by HTTP status", ("status",))
@@ -89,6 +93,8 @@ class Metrics:
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
+
+_EVICTION_QUEUES = {"prefill": ("bootstrap", "inflight"), "decode": ("prealloc", "transfer")}
 
 _GAUGE_HELP = {
     "num_prefill_bootstrap_queue_reqs": "prefill requests waiting for decode to attach",

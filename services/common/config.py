@@ -86,6 +86,11 @@ ROUTER_FLAGS = [
          choices=("round_robin", "least_loaded", "power_of_two")),
     Flag("api-key", str, "", "require 'Authorization: Bearer KEY' when set"),
     Flag("request-timeout", float, 600.0, "seconds after which a request fails with 504"),
+    Flag("max-concurrent-requests", int, 256, "requests the router serves at once; beyond it new ones get 429"),
+    Flag("max-body-bytes", int, 8 * 1024 * 1024, "largest request body in bytes; larger ones get 413 unparsed"),
+    Flag("health-check-interval", float, 1.0, "seconds between gRPC health probes of each worker"),
+    Flag("health-check-timeout", float, 1.0, "seconds one gRPC health probe may take"),
+    Flag("health-failure-threshold", int, 2, "failed probes in a row that eject a worker (one success re-admits)"),
     Flag("log-level", str, "info", "debug, info, warning or error"),
 ]
 

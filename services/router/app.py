@@ -1,0 +1,442 @@
+"""The router's HTTP surface: the OpenAI API on FastAPI + uvicorn.
+
+POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /v1/models[/{id}],
+GET /health (200 while a healthy prefill+decode pair exists, else 503), GET /metrics.
+
+Order of checks for a generation request: API key (401) → body size, from Content-Length and
+while reading (413, before any parsing) → JSON (400) → fields and model (400/404) →
+tokenization and context length (400) → the router's concurrency limit (429) → workers
+(503 none healthy / worker failure after one retry, 504 deadline).
+
+A streaming response starts (status 200, first SSE byte) only once decode's first token is
+in hand, so every failure before it is a proper HTTP status and may be retried on another
+pair; after it, a failure ends the stream with `data: {"error": ...}` and `data: [DONE]`,
+and the keep-alive connection stays usable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from services.common.logging_setup import bound_room, get_logger
+from services.common.metrics import CONTENT_TYPE, Metrics
+from services.common.tokenizer import BUILTIN_NAMES, Tokenizer, load_tokenizer
+from services.router import errors
+from services.router.errors import APIError
+from services.router.orchestrator import Orchestrator, new_room
+from services.router.output import TokenStrings
+from services.router.pool import WorkerPool
+from services.router.protocol import GenerateSpec, ModelInfo, parse_chat, parse_completion
+from services.router.render import ResponseState
+from services.router.sse import DONE, ClientDisconnected, SSEResponse, run_until_disconnect, sse_event
+
+log = get_logger("router")
+
+# services/engine/builtin_model.py's values (the router must not import torch, so they are repeated)
+BUILTIN_CONTEXT_LENGTH = 8192
+BUILTIN_MODEL_NAME = "pdmesh-tiny"
+DEFAULT_CONTEXT_LENGTH = 4096  # what the engine assumes when config.json does not say
+PARSE_IN_THREAD_BYTES = 64 * 1024  # tokenize bigger bodies off the event loop
+CLIENT_CLOSED = 499  # nginx's "client closed request", for metrics and logs only
+
+
+def error_json(error: APIError, request_id: int | None = None) -> JSONResponse:
+    headers = dict(error.headers)
+    if request_id is not None:
+        headers["X-Request-Id"] = f"{request_id:016x}"
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+@dataclass
+class RouterSettings:
+    prefill: list[str] = field(default_factory=list)
+    decode: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str = "builtin"
+    served_model_name: str = ""
+    policy: str = "round_robin"
+    api_key: str = ""
+    request_timeout: float = 600.0
+    max_concurrent_requests: int = 256
+    max_body_bytes: int = 8 * 1024 * 1024
+    health_check_interval: float = 1.0
+    health_check_timeout: float = 1.0
+    health_failure_threshold: int = 2
+    log_level: str = "info"
+
+    @classmethod
+    def from_args(cls, args: Any) -> RouterSettings:
+        names = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def served_name(model: str, explicit: str = "") -> str:
+    if explicit:
+        return explicit
+    if model in BUILTIN_NAMES:
+        return BUILTIN_MODEL_NAME  # the name the workers label their metrics with
+    return Path(model).resolve().name or model
+
+
+def context_length(model: str) -> int:
+    """max_position_embeddings of the model folder's config.json (8192 for the built-in model)."""
+    if model in BUILTIN_NAMES:
+        return BUILTIN_CONTEXT_LENGTH
+    path = Path(model) / "config.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return DEFAULT_CONTEXT_LENGTH
+    for source in (cfg, cfg.get("text_config") or {}):
+        value = source.get("max_position_embeddings")
+        if isinstance(value, int) and value > 0:
+            return value
+    return DEFAULT_CONTEXT_LENGTH
+
+
+class Router:
+    def __init__(self, settings: RouterSettings, tokenizer: Tokenizer | None = None):
+        self.settings = settings
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings.model)
+        name = served_name(settings.model, settings.served_model_name)
+        aliases = frozenset({settings.model, *(BUILTIN_NAMES[1:] if settings.model in BUILTIN_NAMES else ())}) - {""}
+        self.info = ModelInfo(name=name, tokenizer=self.tokenizer, context_length=context_length(settings.model),
+                              aliases=aliases)
+        self.token_strings = TokenStrings(self.tokenizer)
+        self.metrics = Metrics("router", name, f"router-{settings.host}-{settings.port}")
+        self.metrics.gauge_from("num_running_reqs", lambda: self.active)
+        self.pool = WorkerPool(
+            settings.prefill,
+            settings.decode,
+            policy=settings.policy,
+            metrics=self.metrics,
+            interval=settings.health_check_interval,
+            timeout=settings.health_check_timeout,
+            failure_threshold=settings.health_failure_threshold,
+        )
+        self.orchestrator = Orchestrator(self.pool, self.tokenizer.eos_token_ids)
+        self.active = 0  # admitted generation requests not yet finished
+        self.created = int(time.time())
+
+    async def start(self) -> None:
+        await self.pool.start()
+        log.info("worker pool probed", model=self.info.name, context_length=self.info.context_length,
+                 prefill=self.settings.prefill, decode=self.settings.decode, policy=self.settings.policy,
+                 pool=self.pool.status())
+
+    async def close(self) -> None:
+        await self.orchestrator.close()
+        await self.pool.close()
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def count(self, status: int) -> None:
+        self.metrics.inc(self.metrics.router_requests, status=str(status))
+
+    def error_response(self, error: APIError, request_id: int | None = None) -> JSONResponse:
+        self.count(error.status)
+        return error_json(error, request_id)
+
+    def check_auth(self, request: Request) -> None:
+        key = self.settings.api_key
+        if not key:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+            raise errors.unauthorized()
+
+    async def read_json(self, request: Request) -> tuple[Any, int]:
+        """The parsed body and its size in bytes; 413 as soon as the limit is crossed."""
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            try:
+                size = int(declared)
+            except ValueError:
+                raise errors.bad_request("Invalid Content-Length header.") from None
+            if size > limit:
+                raise errors.body_too_large(limit)
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise errors.body_too_large(limit)
+            parts.append(part)
+        raw = b"".join(parts)
+        try:
+            return json.loads(raw), len(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise errors.bad_request(
+                f"We could not parse the JSON body of your request ({e}). Send valid JSON.", code="invalid_json"
+            ) from None
+
+    async def parse(self, kind: str, body: Any, size_hint: int) -> GenerateSpec:
+        parse = parse_completion if kind == "completion" else parse_chat
+        if size_hint > PARSE_IN_THREAD_BYTES:
+            return await asyncio.to_thread(parse, body, self.info)
+        return parse(body, self.info)
+
+    # --- generation -----------------------------------------------------------------------------
+
+    async def generate(self, request: Request, kind: str) -> Response:
+        t0 = time.monotonic()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.request_timeout
+        request_id = new_room()
+        with bound_room(request_id):
+            try:
+                self.check_auth(request)
+                body, size = await self.read_json(request)
+                spec = await self.parse(kind, body, size)
+                if self.active >= self.settings.max_concurrent_requests:
+                    raise errors.too_many_requests(self.settings.max_concurrent_requests)
+            except APIError as e:
+                log.info("request rejected", status=e.status, error=e.message[:300])
+                return self.error_response(e, request_id)
+            except ClientDisconnect:
+                self.count(CLIENT_CLOSED)
+                return Response(status_code=CLIENT_CLOSED)
+            self.active += 1
+            self.metrics.inc(self.metrics.num_requests)
+            self.metrics.inc(self.metrics.prompt_tokens, len(spec.prompt_ids))
+            run = _Run(self, spec, request_id, t0, deadline)
+            if spec.stream:
+                return await run.stream(request)
+            return await run.complete(request)
+
+
+class _Run:
+    """One admitted generation request: drives the orchestrator, records metrics, logs its end."""
+
+    def __init__(self, router: Router, spec: GenerateSpec, request_id: int, t0: float, deadline: float):
+        self.router = router
+        self.spec = spec
+        self.request_id = request_id
+        self.t0 = t0
+        self.deadline = deadline
+        self.state = ResponseState(spec, router.tokenizer, router.token_strings, f"{request_id:016x}")
+        self.gen = router.orchestrator.generate(
+            spec, deadline, router.settings.request_timeout, first_room=request_id
+        )
+        self.last_token_at: float | None = None
+        self.ttft: float | None = None
+        self._finished = False
+
+    def feed(self, chunk) -> tuple[str, list]:
+        now = time.monotonic()
+        n = len(chunk.token_ids)
+        m = self.router.metrics
+        if self.last_token_at is None:
+            self.ttft = now - self.t0
+            m.observe(m.time_to_first_token, self.ttft)
+        elif n:
+            gap = (now - self.last_token_at) / n
+            for _ in range(n):
+                m.observe(m.inter_token_latency, gap)
+        self.last_token_at = now
+        before = self.state.completion_tokens
+        out = self.state.feed(chunk)
+        m.inc(m.generation_tokens, self.state.completion_tokens - before)
+        return out
+
+    def finish(self, status: int, error: str | None = None) -> None:
+        """Record the outcome once: metrics, the concurrency slot, one log line."""
+        if self._finished:
+            return
+        self._finished = True
+        r = self.router
+        r.active -= 1
+        r.count(status)
+        e2e = time.monotonic() - self.t0
+        if self.ttft is not None:
+            r.metrics.observe(r.metrics.e2e_request_latency, e2e)
+        if status == CLIENT_CLOSED:
+            r.metrics.inc(r.metrics.num_aborted_requests)
+        fields = dict(
+            status=status, stream=self.spec.stream, prompt_tokens=self.state.prompt_tokens,
+            completion_tokens=self.state.completion_tokens, finish_reason=self.state.finish_reason,
+            ttft_s=None if self.ttft is None else round(self.ttft, 4), e2e_s=round(e2e, 4),
+        )
+        if error:
+            log.warning("request failed", error=error[:500], **fields)
+        else:
+            log.info("request done", **fields)
+
+    async def _collect(self) -> None:
+        async for chunk in self.gen:
+            self.feed(chunk)
+            if self.state.finished:
+                break
+        await self.gen.aclose()  # a stop string ends us early: cancel the Decode RPC now
+
+    async def complete(self, request: Request) -> Response:
+        status, error = 500, "internal error"
+        try:
+            await run_until_disconnect(self._collect(), request.receive)
+            status, error = 200, None
+            return JSONResponse(self.state.body(), headers={"X-Request-Id": f"{self.request_id:016x}"})
+        except APIError as e:
+            status, error = e.status, e.message
+            return error_json(e, self.request_id)
+        except ClientDisconnected:
+            status, error = CLIENT_CLOSED, "client disconnected"
+            return Response(status_code=CLIENT_CLOSED)
+        finally:
+            await self.gen.aclose()
+            self.finish(status, error)
+
+    async def stream(self, request: Request) -> Response:
+        try:
+            first = await run_until_disconnect(self.gen.__anext__(), request.receive)
+        except APIError as e:
+            await self.gen.aclose()
+            self.finish(e.status, e.message)
+            return error_json(e, self.request_id)
+        except ClientDisconnected:
+            await self.gen.aclose()
+            self.finish(CLIENT_CLOSED, "client disconnected")
+            return Response(status_code=CLIENT_CLOSED)
+        except BaseException:
+            await self.gen.aclose()
+            self.finish(500, "internal error before the first token")
+            raise
+        outcome: dict[str, Any] = {"status": 200, "error": None}
+
+        def on_close(disconnected: bool) -> None:
+            if disconnected:
+                self.finish(CLIENT_CLOSED, "client disconnected mid-stream")
+            else:
+                self.finish(outcome["status"], outcome["error"])
+
+        return SSEResponse(
+            self._events(first, outcome),
+            on_close,
+            bind=lambda: bound_room(self.request_id),
+            headers={"X-Request-Id": f"{self.request_id:016x}"},
+        )
+
+    async def _events(self, first, outcome: dict[str, Any]) -> AsyncIterator[bytes]:
+        state = self.state
+        try:
+            if self.spec.kind == "chat":
+                yield sse_event(state.role_chunk())
+            chunk = first
+            while True:
+                text, entries = self.feed(chunk)
+                payload = state.delta_chunk(text, entries, state.finish_reason)
+                if payload is not None:
+                    yield sse_event(payload)
+                if state.finished:
+                    break
+                try:
+                    chunk = await self.gen.__anext__()
+                except StopAsyncIteration:
+                    raise errors.upstream_failed("the decode stream ended early") from None
+            await self.gen.aclose()  # a stop string: cancel the Decode RPC before the last bytes go out
+            if self.spec.include_usage:
+                yield sse_event(state.usage_chunk())
+        except APIError as e:
+            outcome.update(status=e.status, error=e.message)
+            yield sse_event(e.body())
+        except Exception as e:  # a bug must still end the stream properly (error event, [DONE])
+            log.exception("stream error")
+            error = APIError(500, "Internal server error.", code="internal_error")
+            outcome.update(status=500, error=repr(e))
+            yield sse_event(error.body())
+        finally:
+            await self.gen.aclose()
+        yield DONE
+
+
+def create_app(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> FastAPI:
+    router = Router(settings, tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.close()
+
+    app = FastAPI(title="pdmesh router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.router = router
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await router.generate(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await router.generate(request, "chat")
+
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": router.info.name,
+            "object": "model",
+            "created": router.created,
+            "owned_by": "pdmesh",
+            "max_model_len": router.info.context_length,
+        }
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        try:
+            router.check_auth(request)
+        except APIError as e:
+            return router.error_response(e)
+        router.count(200)
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> Response:
+        try:
+            router.check_auth(request)
+            if model_id != router.info.name and model_id not in router.info.aliases:
+                raise errors.model_not_found(model_id, router.info.name)
+        except APIError as e:
+            return router.error_response(e)
+        router.count(200)
+        return JSONResponse(model_card())
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = router.pool.has_healthy_pair()
+        body = {"status": "ok" if ok else "unavailable", "running_requests": router.active, **router.pool.status()}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 404:
+            error = errors.route_not_found(request.method, request.url.path)
+        elif exc.status_code == 405:
+            error = errors.method_not_allowed(request.method, request.url.path)
+        else:
+            error = APIError(exc.status_code, str(exc.detail))
+        return router.error_response(error)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.error("unhandled error", path=request.url.path, error=repr(exc))
+        return router.error_response(APIError(500, "Internal server error.", code="internal_error"))
+
+    return app

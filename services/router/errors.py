@@ -1,0 +1,130 @@
+"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with the right HTTP status.
+
+Every failure the router reports to a client is an `APIError`; the app turns it into a JSON body
+(before the first byte) or into an SSE `data: {"error": ...}` event (after it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# OpenAI's `type` per status; clients (the openai SDK included) key on the status, the type is for humans.
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,  # noqa: A002 - OpenAI's field name
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def __repr__(self) -> str:
+        return f"APIError({self.status}, {self.message!r}, param={self.param!r}, code={self.code!r})"
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def invalid_type(param: str, expected: str, value: Any) -> APIError:
+    return bad_request(
+        f"Invalid type for '{param}': expected {expected}, but got {json_type(value)} instead.",
+        param=param,
+        code="invalid_type",
+    )
+
+
+def json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a decimal"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def unauthorized() -> APIError:
+    return APIError(
+        401,
+        "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
+        code="invalid_api_key",
+    )
+
+
+def model_not_found(name: str, served: str) -> APIError:
+    return APIError(
+        404,
+        f"The model '{name}' does not exist. This server serves '{served}'.",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def route_not_found(method: str, path: str) -> APIError:
+    return APIError(404, f"Unknown request URL: {method} {path}.", code="unknown_url")
+
+
+def method_not_allowed(method: str, path: str) -> APIError:
+    return APIError(405, f"Method {method} is not allowed for {path}.", code="method_not_allowed")
+
+
+def body_too_large(limit: int) -> APIError:
+    return APIError(
+        413, f"Request body is larger than the limit of {limit} bytes.", code="request_too_large"
+    )
+
+
+def too_many_requests(limit: int) -> APIError:
+    return APIError(
+        429,
+        f"The router is at its limit of {limit} concurrent requests; retry shortly.",
+        code="rate_limit_exceeded",
+        headers={"Retry-After": "1"},
+    )
+
+
+def no_healthy_workers(what: str) -> APIError:
+    return APIError(503, f"No healthy {what} worker is available.", code="no_healthy_workers")
+
+
+def upstream_failed(detail: str) -> APIError:
+    return APIError(503, f"The request failed on the workers: {detail}", code="worker_failure")
+
+
+def deadline_exceeded(timeout: float) -> APIError:
+    return APIError(504, f"The request did not finish within the deadline of {timeout:g} s.", code="timeout")

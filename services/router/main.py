@@ -1,0 +1,41 @@
+"""Router process: parse flags (each with a PDMESH_* env twin), load the tokenizer, serve HTTP."""
+
+from __future__ import annotations
+
+import sys
+
+import uvicorn
+
+from services.common.config import ROUTER_FLAGS, parse_args
+from services.common.logging_setup import configure_logging, get_logger
+from services.router.app import RouterSettings, create_app
+
+DESCRIPTION = (
+    "pdmesh router: the OpenAI-compatible HTTP API in front of prefill and decode workers "
+    "(tokenization, chat template, worker selection, retries, streaming)."
+)
+
+
+def main(argv=None) -> None:
+    args = parse_args("python -m services.router", DESCRIPTION, ROUTER_FLAGS, argv)
+    configure_logging(args.log_level, service="router", worker=f"router-{args.host}-{args.port}")
+    log = get_logger("router")
+    if not args.prefill or not args.decode:
+        log.error("at least one --prefill and one --decode worker address are required")
+        sys.exit(2)
+    if args.request_timeout <= 0 or args.max_concurrent_requests < 1 or args.max_body_bytes < 1:
+        log.error("--request-timeout, --max-concurrent-requests and --max-body-bytes must be positive")
+        sys.exit(2)
+    settings = RouterSettings.from_args(args)
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_config=None,  # keep our JSON logging; uvicorn's own plain-text lines only for problems
+        log_level="debug" if args.log_level == "debug" else "warning",
+        access_log=False,  # one structured line per request comes from the router itself
+        timeout_keep_alive=75,
+        timeout_graceful_shutdown=5,
+    )
+    uvicorn.Server(config).run()

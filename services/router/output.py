@@ -1,0 +1,113 @@
+"""Generated token ids → text the client may see: incremental detokenization plus stop strings.
+
+`OutputText.add()` returns only text that is final: complete UTF-8 characters (the
+IncrementalDetokenizer holds back a split character) that cannot be the start of a stop
+string (a suffix that is a prefix of some stop string is held back until the next token
+decides it). When a stop string completes, the text up to it is released, the stop string
+and everything after it are dropped (OpenAI trims the stop sequence), and `stopped` is set so
+the caller cancels the Decode RPC.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.common.builtin_tokenizer import BYTE_TOKENS, BuiltinTokenizer
+from services.common.detokenizer import IncrementalDetokenizer
+from services.common.tokenizer import Tokenizer
+
+
+class StopMatcher:
+    """Finds the earliest stop string in a growing text, holding back possible partial matches."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.longest = max((len(s) for s in self.stops), default=0)
+
+    def find(self, text: str, start: int) -> int:
+        """Index of the earliest complete stop string at or after `start`, or -1."""
+        best = -1
+        for s in self.stops:
+            i = text.find(s, start)
+            if i != -1 and (best == -1 or i < best):
+                best = i
+        return best
+
+    def holdback(self, text: str, start: int) -> int:
+        """Length of the longest suffix of text[start:] that is a proper prefix of a stop string."""
+        tail = text[max(start, len(text) - self.longest + 1):] if self.longest > 1 else ""
+        for k in range(len(tail), 0, -1):
+            suffix = tail[-k:]
+            if any(len(s) > k and s.startswith(suffix) for s in self.stops):
+                return k
+        return 0
+
+
+class OutputText:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+    ):
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
+        self._matcher = StopMatcher(stop)
+        self._text = ""  # everything detokenized so far (after a stop: cut at the stop string)
+        self._sent = 0  # self._text[:_sent] has been released to the client
+        self.stopped = False  # a stop string matched
+        self.matched_stop: str | None = None
+
+    @property
+    def text(self) -> str:
+        """Text released so far."""
+        return self._text[: self._sent]
+
+    def add(self, token_id: int) -> str:
+        """Feed one generated token; returns the newly released text ("" while held back)."""
+        if self.stopped:
+            return ""
+        self._text += self._detok.add(token_id)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """Generation ended without a stop string: release everything still held back."""
+        if self.stopped:
+            return ""
+        self._text += self._detok.flush()
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        if self._matcher.stops:
+            # A match can only start in the unreleased part: released text never holds a stop prefix.
+            at = self._matcher.find(self._text, self._sent)
+            if at != -1:
+                self.matched_stop = next(s for s in self._matcher.stops if self._text.startswith(s, at))
+                self._text = self._text[:at]
+                self.stopped = True
+                return self._advance(at)
+            if not final:
+                return self._advance(len(self._text) - self._matcher.holdback(self._text, self._sent))
+        return self._advance(len(self._text))
+
+    def _advance(self, to: int) -> str:
+        out = self._text[self._sent : to] if to > self._sent else ""
+        self._sent = max(self._sent, to)
+        return out
+
+
+class TokenStrings:
+    """Per-token text and bytes for logprobs (cached; a byte token of the built-in tokenizer keeps its byte)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self._byte_level = isinstance(tokenizer, BuiltinTokenizer)
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def get(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            raw = [token_id] if self._byte_level and token_id < BYTE_TOKENS else list(text.encode("utf-8"))
+            hit = self._cache[token_id] = (text, raw)
+        return hit

@@ -1,0 +1,218 @@
+"""The router's workers: one gRPC channel each, active health checks, ejection and re-admission.
+
+- Every `interval` seconds each worker gets a standard `grpc.health.v1.Health/Check` (service
+  "") bounded by `timeout`. `failure_threshold` failures in a row eject it; one success
+  re-admits it. A worker starts ejected and is admitted by its first good probe (the router
+  probes all workers once before it starts serving).
+- A request that fails on a worker with UNAVAILABLE asks for an immediate probe; if that probe
+  fails too, the worker is ejected at once instead of after the threshold (a killed worker
+  leaves the rotation within one probe, not `threshold * interval`).
+- When a request finds no healthy worker of a role, the ejected ones are probed once on the
+  spot (bounded by `timeout`) before the router answers 503, so a worker that just came back
+  (restarted, or SIGCONT after a freeze) serves the very next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
+from services.common.logging_setup import get_logger
+from services.common.metrics import Metrics
+from services.router.errors import no_healthy_workers
+from services.router.policy import make_policy
+
+log = get_logger("router.pool")
+
+CHANNEL_OPTIONS = [
+    # a worker that comes back must be found quickly, not after gRPC's default backoff (up to 120 s)
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.enable_retries", 0),  # the router decides about retries itself
+]
+
+
+@dataclass(eq=False)
+class Worker:
+    role: str  # "prefill" | "decode"
+    addr: str
+    healthy: bool = False
+    failures: int = 0  # failed probes in a row
+    inflight: int = 0  # RPCs of this router in flight on the worker
+    last_error: str = ""
+    last_change: float = field(default_factory=time.time)
+    channel: grpc.aio.Channel | None = None
+    stub: object | None = None
+    health: health_pb2_grpc.HealthStub | None = None
+
+    def __repr__(self) -> str:
+        return f"{self.role}:{self.addr}"
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        prefill_addrs: Iterable[str],
+        decode_addrs: Iterable[str],
+        policy: str = "round_robin",
+        metrics: Metrics | None = None,
+        interval: float = 1.0,
+        timeout: float = 1.0,
+        failure_threshold: int = 2,
+    ):
+        self.prefills = [Worker("prefill", a) for a in dict.fromkeys(prefill_addrs)]
+        self.decodes = [Worker("decode", a) for a in dict.fromkeys(decode_addrs)]
+        self._policies = {"prefill": make_policy(policy), "decode": make_policy(policy)}
+        self.metrics = metrics
+        self.interval = interval
+        self.timeout = timeout
+        self.failure_threshold = max(1, failure_threshold)
+        self._task: asyncio.Task | None = None
+        self._probing: dict[Worker, asyncio.Task] = {}
+        self._background: set[asyncio.Task] = set()
+
+    @property
+    def workers(self) -> list[Worker]:
+        return [*self.prefills, *self.decodes]
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        for w in self.workers:
+            w.channel = grpc.aio.insecure_channel(w.addr, options=CHANNEL_OPTIONS)
+            w.stub = (wpb_grpc.PrefillStub if w.role == "prefill" else wpb_grpc.DecodeStub)(w.channel)
+            w.health = health_pb2_grpc.HealthStub(w.channel)
+            self._set_gauge(w)
+        await self.probe_all()
+        self._task = asyncio.create_task(self._loop(), name="router-health")
+
+    async def close(self) -> None:
+        tasks = [t for t in (self._task, *self._probing.values(), *self._background) if t is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t
+        for w in self.workers:
+            if w.channel is not None:
+                await w.channel.close(grace=None)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.probe_all()
+            except Exception as e:  # noqa: BLE001 - the health loop must never die
+                log.error("health loop error", error=repr(e))
+
+    # --- probing -------------------------------------------------------------------------------
+
+    async def probe_all(self, workers: Iterable[Worker] | None = None) -> None:
+        await asyncio.gather(*(self.probe(w) for w in (self.workers if workers is None else workers)))
+
+    async def probe(self, worker: Worker) -> bool:
+        """One probe of `worker` (True if it serves); concurrent callers share a probe in flight."""
+        task = self._probing.get(worker)
+        if task is None:
+            task = asyncio.ensure_future(self._probe(worker))
+            self._probing[worker] = task
+            task.add_done_callback(lambda _t, w=worker: self._probing.pop(w, None))
+        return await asyncio.shield(task)
+
+    async def _probe(self, w: Worker) -> bool:
+        # this task's context was copied from whichever request asked first; the probe is not its
+        structlog.contextvars.unbind_contextvars("room", "request_id")
+        try:
+            reply = await w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.timeout)
+            ok = reply.status == health_pb2.HealthCheckResponse.SERVING
+            error = "" if ok else f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
+        except grpc.aio.AioRpcError as e:
+            ok, error = False, f"{e.code().name}: {e.details()}"
+        except Exception as e:  # noqa: BLE001 - any failure of the probe is a failed probe
+            ok, error = False, repr(e)
+        if ok:
+            w.failures = 0
+            if not w.healthy:
+                self._mark(w, True, "health probe succeeded")
+        else:
+            w.failures += 1
+            w.last_error = error
+            if w.healthy and w.failures >= self.failure_threshold:
+                self._mark(w, False, error)
+        return ok
+
+    def _mark(self, w: Worker, healthy: bool, why: str) -> None:
+        w.healthy = healthy
+        w.last_change = time.time()
+        if healthy:
+            log.info("worker admitted", role=w.role, target=w.addr)
+        else:
+            log.warning("worker ejected", role=w.role, target=w.addr, reason=why, failures=w.failures)
+        self._set_gauge(w)
+
+    def _set_gauge(self, w: Worker) -> None:
+        if self.metrics is not None:
+            self.metrics.worker_healthy.labels(**self.metrics.labels, target=w.addr).set(1 if w.healthy else 0)
+
+    def report_failure(self, w: Worker, code: grpc.StatusCode | None) -> None:
+        """A request failed on `w`. UNAVAILABLE may mean the worker is gone: probe it now, and
+        eject it at once if the probe fails too."""
+        if code != grpc.StatusCode.UNAVAILABLE or not w.healthy:
+            return
+
+        async def confirm() -> None:
+            structlog.contextvars.unbind_contextvars("room", "request_id")
+            if not await self.probe(w) and w.healthy:
+                self._mark(w, False, f"request failed with UNAVAILABLE and the probe failed: {w.last_error}")
+
+        task = asyncio.ensure_future(confirm())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # --- selection -----------------------------------------------------------------------------
+
+    def has_healthy_pair(self) -> bool:
+        return any(w.healthy for w in self.prefills) and any(w.healthy for w in self.decodes)
+
+    async def choose_pair(self, exclude: Iterable[Worker] = ()) -> tuple[Worker, Worker]:
+        """A healthy (prefill, decode), avoiding `exclude` when another healthy worker exists.
+
+        The pair comes reserved: each worker's `inflight` is already counted (with no await between
+        choosing and counting, so concurrent requests see each other's load); the caller releases it.
+        """
+        excluded = set(exclude)
+        for role, group in (("prefill", self.prefills), ("decode", self.decodes)):
+            if not any(w.healthy for w in group):
+                await self.probe_all(group)  # bounded by the probe timeout
+            if not any(w.healthy for w in group):
+                raise no_healthy_workers(role)
+        prefill = self._choose("prefill", self.prefills, excluded)
+        decode = self._choose("decode", self.decodes, excluded)
+        prefill.inflight += 1
+        decode.inflight += 1
+        return prefill, decode
+
+    def _choose(self, role: str, group: list[Worker], excluded: set[Worker]) -> Worker:
+        healthy = [w for w in group if w.healthy]
+        candidates = [w for w in healthy if w not in excluded] or healthy
+        return self._policies[role].choose(candidates, lambda w: w.inflight)
+
+    def status(self) -> dict:
+        def one(w: Worker) -> dict:
+            return {"healthy": w.healthy, "inflight": w.inflight, "last_error": w.last_error or None}
+
+        return {
+            "prefill": {w.addr: one(w) for w in self.prefills},
+            "decode": {w.addr: one(w) for w in self.decodes},
+        }

@@ -1,0 +1,101 @@
+"""Server-sent events and client-disconnect detection on raw ASGI.
+
+uvicorn silently drops writes to a closed connection, so a stream would only notice a gone
+client when it next wrote — and not at all while it waits for a slow or frozen worker. Both
+the SSE response and the non-streaming path therefore watch `receive()` for
+`http.disconnect` and cancel the work the moment the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+DONE = b"data: [DONE]\n\n"
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client closed the connection before the response was complete."""
+
+
+def sse_event(payload: Any) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8") + b"\n\n"
+
+
+async def wait_disconnect(receive: Receive) -> None:
+    """Returns once the client has disconnected (call only after the request body was read)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_until_disconnect(work: Awaitable, receive: Receive):
+    """Await `work`; if the client disconnects first, cancel it and raise ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        raise ClientDisconnected()
+    finally:
+        watcher.cancel()
+        if not task.done():  # we ourselves were cancelled
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+class SSEResponse(Response):
+    """Streams `events` (already-encoded SSE bytes) and stops them when the client disconnects.
+
+    `on_close(disconnected)` runs exactly once, after the stream ended or was cancelled.
+    """
+
+    media_type = "text/event-stream"
+    charset = "utf-8"
+
+    def __init__(
+        self,
+        events: AsyncIterator[bytes],
+        on_close: Callable[[bool], None],
+        bind: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+        headers: dict[str, str] | None = None,
+    ):
+        # Not Response.__init__: that would declare a Content-Length for an empty body.
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
+        self.events = events
+        self.on_close = on_close
+        self.bind = bind  # context (e.g. log fields) for everything the stream runs
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        disconnected = False
+
+        async def pump() -> None:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for data in self.events:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        with self.bind():
+            try:
+                await run_until_disconnect(pump(), receive)
+            except (ClientDisconnected, OSError):
+                disconnected = True
+            finally:
+                with contextlib.suppress(Exception):
+                    await self.events.aclose()  # type: ignore[attr-defined]
+                self.on_close(disconnected)

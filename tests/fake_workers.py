@@ -1,0 +1,199 @@
+"""Scripted in-process prefill/decode gRPC workers, for the router's unit tests and benchmarks.
+
+They speak the real worker.proto and grpc.health.v1, so the router under test runs unmodified;
+each fake can be told to fail, hang or stall at a chosen point, and counts what it saw (rooms,
+cancellations, streams still open) so tests can assert that the router ended every RPC.
+
+Not used in production. A fake decode "generates" by cycling through `script` (token ids),
+honouring max_tokens and stop_token_ids like the real decode, and emits one token per chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
+from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
+
+
+@dataclass
+class Behaviour:
+    mode: str = "ok"  # ok | fail | hang   (decode also: fail_after | hang_after)
+    code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
+    after: int = 0  # decode: tokens sent before fail_after/hang_after strikes
+    delay: float = 0.0  # prefill: seconds before replying; decode: seconds before the first token
+    token_delay: float = 0.0  # decode: seconds between tokens
+    times: int | None = None  # apply the mode this many times, then behave ("ok"); None: always
+
+
+@dataclass
+class Seen:
+    rooms: list[int] = field(default_factory=list)
+    requests: list = field(default_factory=list)
+    cancelled: int = 0  # RPCs that ended because the caller cancelled
+    active: int = 0  # RPCs in progress right now
+
+
+class _FakeHealth(health_pb2_grpc.HealthServicer):
+    def __init__(self) -> None:
+        self.status = health_pb2.HealthCheckResponse.SERVING
+        self.frozen = False  # answer nothing (as a SIGSTOPped worker would)
+
+    async def Check(self, request, context):  # noqa: N802 - gRPC method name
+        while self.frozen:
+            await asyncio.sleep(0.01)
+        return health_pb2.HealthCheckResponse(status=self.status)
+
+
+class FakeWorker:
+    role = ""
+
+    def __init__(self) -> None:
+        self.behaviour = Behaviour()
+        self.seen = Seen()
+        self.server: grpc.aio.Server | None = None
+        self.health = _FakeHealth()
+        self.port = 0
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _mode(self) -> str:
+        b = self.behaviour
+        if b.mode == "ok" or b.times is None:
+            return b.mode
+        if b.times <= 0:
+            return "ok"
+        b.times -= 1
+        return b.mode
+
+    def set_serving(self, serving: bool) -> None:
+        self.health.status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+
+    async def start(self) -> None:
+        self.server = grpc.aio.server()
+        self._register(self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(f"127.0.0.1:{self.port or 0}")
+        await self.server.start()
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(grace=None)
+            self.server = None
+
+    def _register(self, server) -> None:
+        raise NotImplementedError
+
+    async def Abort(self, request, context):  # noqa: N802
+        return wpb.AbortRoomReply(found=False)
+
+
+class FakePrefill(FakeWorker, wpb_grpc.PrefillServicer):
+    role = "prefill"
+
+    def _register(self, server) -> None:
+        wpb_grpc.add_PrefillServicer_to_server(self, server)
+
+    async def Prefill(self, request, context):  # noqa: N802
+        self.seen.rooms.append(request.room)
+        self.seen.requests.append(request)
+        self.seen.active += 1
+        try:
+            mode = self._mode()
+            if self.behaviour.delay:
+                await asyncio.sleep(self.behaviour.delay)
+            if mode == "fail":
+                await context.abort(self.behaviour.code, "fake prefill failure")
+            if mode == "hang":
+                await asyncio.Event().wait()
+            return wpb.PrefillReply(room=request.room, first_token=0, prompt_tokens=len(request.token_ids))
+        except asyncio.CancelledError:
+            self.seen.cancelled += 1
+            raise
+        finally:
+            self.seen.active -= 1
+
+
+class FakeDecode(FakeWorker, wpb_grpc.DecodeServicer):
+    role = "decode"
+
+    def __init__(self, script: list[int] | None = None) -> None:
+        super().__init__()
+        self.script = script or list(b"Hello, world! ")
+        self.logprob = -0.5
+
+    def _register(self, server) -> None:
+        wpb_grpc.add_DecodeServicer_to_server(self, server)
+
+    async def Decode(self, request, context):  # noqa: N802
+        self.seen.rooms.append(request.room)
+        self.seen.requests.append(request)
+        self.seen.active += 1
+        b = self.behaviour
+        try:
+            mode = self._mode()
+            if b.delay:
+                await asyncio.sleep(b.delay)
+            if mode == "fail":
+                await context.abort(b.code, "fake decode failure")
+            if mode == "hang":
+                await asyncio.Event().wait()
+            params = request.params
+            stop_ids = set(params.stop_token_ids)
+            max_tokens = params.max_tokens or 16
+            for n in range(1, max_tokens + 1):
+                if n > 1 and b.token_delay:
+                    await asyncio.sleep(b.token_delay)
+                if mode == "fail_after" and n > b.after:
+                    await context.abort(b.code, "fake decode failure mid-stream")
+                if mode == "hang_after" and n > b.after:
+                    await asyncio.Event().wait()
+                token = self.script[(n - 1) % len(self.script)]
+                finish = "stop" if token in stop_ids else ("length" if n == max_tokens else "")
+                yield wpb.DecodeChunk(
+                    token_ids=[token],
+                    logprobs=[self.logprob],
+                    finish_reason=finish,
+                    prompt_tokens=len(request.token_ids),
+                    completion_tokens=n,
+                )
+                if finish:
+                    return
+        except asyncio.CancelledError:
+            self.seen.cancelled += 1
+            raise
+        finally:
+            self.seen.active -= 1
+
+
+async def _serve(prefill_port: int, decode_port: int) -> None:
+    prefill, decode = FakePrefill(), FakeDecode()
+    prefill.port, decode.port = prefill_port, decode_port
+    await prefill.start()
+    await decode.start()
+    print(f"fake prefill on {prefill.addr}, fake decode on {decode.addr}", flush=True)
+    await asyncio.Event().wait()
+
+
+def main(argv=None) -> None:
+    """`python -m tests.fake_workers --prefill-port P --decode-port D`: instant workers,
+    for measuring the router on its own (bench/router_overhead.py)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--prefill-port", type=int, required=True)
+    ap.add_argument("--decode-port", type=int, required=True)
+    args = ap.parse_args(argv)
+    asyncio.run(_serve(args.prefill_port, args.decode_port))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""Worker selection policies as pure logic."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from services.router.policy import LeastLoaded, PowerOfTwo, RoundRobin, make_policy
+
+
+def test_round_robin_cycles():
+    rr = RoundRobin()
+    assert [rr.choose(["a", "b", "c"], lambda w: 0) for _ in range(6)] == list("abcabc")
+
+
+def test_least_loaded_picks_minimum_and_rotates_ties():
+    ll = LeastLoaded()
+    load = {"a": 3, "b": 1, "c": 1}
+    picks = [ll.choose(["a", "b", "c"], load.__getitem__) for _ in range(4)]
+    assert set(picks) == {"b", "c"} and picks.count("b") == 2
+
+
+def test_power_of_two_never_picks_the_most_loaded_of_three():
+    p2 = PowerOfTwo(random.Random(0))
+    load = {"a": 0, "b": 5, "c": 9}
+    picks = Counter(p2.choose(["a", "b", "c"], load.__getitem__) for _ in range(300))
+    assert picks["c"] == 0 and picks["a"] > picks["b"] > 0
+
+
+def test_power_of_two_single_candidate():
+    assert PowerOfTwo().choose(["only"], lambda w: 0) == "only"
+
+
+def test_make_policy():
+    assert isinstance(make_policy("round_robin"), RoundRobin)
+    assert isinstance(make_policy("least_loaded"), LeastLoaded)
+    assert isinstance(make_policy("power_of_two"), PowerOfTwo)
+    with pytest.raises(ValueError):
+        make_policy("random")

@@ -1,0 +1,200 @@
+"""Router request validation: every OpenAI field, every bad input → the right 400/404 and param."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.builtin_tokenizer import BUILTIN_BOS_ID, BUILTIN_EOS_ID, BuiltinTokenizer
+from services.router.errors import APIError
+from services.router.protocol import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    ModelInfo,
+    parse_chat,
+    parse_completion,
+)
+
+TOK = BuiltinTokenizer()
+INFO = ModelInfo(name="m", tokenizer=TOK, context_length=64, aliases=frozenset({"builtin"}))
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def completion(**kw):
+    return parse_completion({"model": "m", "prompt": "hello", **kw}, INFO)
+
+
+def chat(**kw):
+    body = {"model": "m", "messages": MSGS, **kw}
+    return parse_chat(body, INFO)
+
+
+def rejects(fn, status=400, param=None, **kw):
+    with pytest.raises(APIError) as info:
+        fn(**kw)
+    err = info.value
+    assert err.status == status, err
+    if param is not None:
+        assert err.param == param, err
+    body = err.body()["error"]
+    assert set(body) == {"message", "type", "param", "code"} and body["message"]
+    return err
+
+
+def test_completion_defaults():
+    spec = completion()
+    assert spec.kind == "completion" and spec.model == "m"
+    assert spec.prompt_ids == [BUILTIN_BOS_ID, *b"hello"]
+    assert spec.max_tokens == COMPLETIONS_DEFAULT_MAX_TOKENS
+    assert spec.temperature == 1.0 and spec.top_p == 1.0 and spec.top_k == 0
+    assert 0 <= spec.seed < 2**63  # a random seed is always sent
+    assert not spec.stream and not spec.include_usage and spec.logprobs is None and spec.stop == []
+
+
+def test_random_seeds_differ_and_given_seed_is_kept():
+    assert len({completion().seed for _ in range(8)}) > 1
+    assert completion(seed=1234).seed == 1234
+    assert completion(seed=-1).seed == 2**64 - 1  # negative seeds map into uint64
+
+
+def test_prompt_forms():
+    assert completion(prompt=[1, 2, 3]).prompt_ids == [1, 2, 3]
+    assert completion(prompt=["ab"]).prompt_ids == [BUILTIN_BOS_ID, 97, 98]
+    assert completion(prompt=[[5, 6]]).prompt_ids == [5, 6]
+
+
+def test_alias_model_name_is_accepted_and_normalized():
+    assert completion(model="builtin").model == "m"
+
+
+def test_chat_prompt_and_default_max_tokens_fill_the_context():
+    spec = chat()
+    assert spec.prompt_ids == TOK.encode_chat(MSGS)
+    assert spec.max_tokens == INFO.context_length - len(spec.prompt_ids)
+    assert chat(max_completion_tokens=5, max_tokens=7).max_tokens == 5
+    assert chat(max_tokens=7).max_tokens == 7
+
+
+def test_chat_content_parts_and_developer_role():
+    spec = chat(messages=[{"role": "developer", "content": "be nice"},
+                          {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    assert spec.prompt_ids == TOK.encode_chat([{"role": "system", "content": "be nice"},
+                                               {"role": "user", "content": "a\nb"}])
+
+
+def test_sampling_fields():
+    spec = completion(temperature=0, top_p=0.5, top_k=7, max_tokens=3, stop="x", stop_token_ids=[BUILTIN_EOS_ID],
+                      ignore_eos=True, stream=True, stream_options={"include_usage": True}, logprobs=2, user="u",
+                      some_unknown_field={"ignored": True})
+    assert (spec.temperature, spec.top_p, spec.top_k, spec.max_tokens) == (0.0, 0.5, 7, 3)
+    assert spec.stop == ["x"] and spec.stop_token_ids == [BUILTIN_EOS_ID] and spec.ignore_eos
+    assert spec.stream and spec.include_usage and spec.logprobs == 2
+    assert completion(top_p=0).top_k == 1  # top_p 0 = only the most likely token
+    assert completion(top_k=-1).top_k == 0
+    assert completion(stop=["a", "", "a", "b"]).stop == ["a", "b"]
+    assert chat(logprobs=True).logprobs == 0
+    assert chat(logprobs=True, top_logprobs=3).logprobs == 3
+
+
+def test_echo():
+    spec = completion(echo=True)
+    assert spec.echo and spec.echo_text == "hello"
+
+
+@pytest.mark.parametrize(
+    "kw,param",
+    [
+        ({"model": None}, "model"),
+        ({"model": 3}, "model"),
+        ({"prompt": None}, "prompt"),
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": [1, "a"]}, "prompt"),
+        ({"prompt": [10_000]}, "prompt"),
+        ({"prompt": [-1]}, "prompt"),
+        ({"prompt": [[1], [2]]}, "prompt"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": "5"}, "max_tokens"),
+        ({"max_tokens": 5.5}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"max_tokens": 10**12}, "max_tokens"),
+        ({"max_tokens": 60}, "max_tokens"),  # prompt (6) + 60 > context 64
+        ({"prompt": "x" * 80}, "prompt"),  # longer than the context
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"seed": "x"}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"stop": 3}, "stop"),
+        ({"stop": ["a", 3]}, "stop"),
+        ({"stop": ["s"] * 17}, "stop"),
+        ({"stop_token_ids": [99999]}, "stop_token_ids"),
+        ({"stop_token_ids": "1"}, "stop_token_ids"),
+        ({"stream": "yes"}, "stream"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+        ({"stream": True, "stream_options": []}, "stream_options"),
+        ({"stream": True, "stream_options": {"include_usage": "yes"}}, "include_usage"),
+        ({"n": 2}, "n"),
+        ({"n": "1"}, "n"),
+        ({"best_of": 3}, "best_of"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"presence_penalty": 1.0}, "presence_penalty"),
+        ({"frequency_penalty": 3.0}, "frequency_penalty"),
+        ({"logit_bias": {"1": 5}}, "logit_bias"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"suffix": "abc"}, "suffix"),
+        ({"echo": True, "logprobs": 1}, "echo"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+    ],
+)
+def test_completion_bad_inputs(kw, param):
+    rejects(completion, param=param, **kw)
+
+
+@pytest.mark.parametrize(
+    "kw,param",
+    [
+        ({"messages": None}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": ["hi"]}, "messages[0]"),
+        ({"messages": [{"content": "hi"}]}, "messages[0].role"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+         "messages[0].content[0].type"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),  # the built-in template refuses it
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"max_tokens": 100}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "x" * 100}]}, "messages"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
+        ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"chat_template_kwargs": []}, "chat_template_kwargs"),
+    ],
+)
+def test_chat_bad_inputs(kw, param):
+    rejects(chat, param=param, **kw)
+
+
+def test_unknown_model_is_404():
+    err = rejects(completion, status=404, param="model", model="gpt-9")
+    assert err.code == "model_not_found"
+
+
+def test_body_must_be_an_object():
+    with pytest.raises(APIError) as e:
+        parse_completion([1, 2], INFO)
+    assert e.value.status == 400
+    with pytest.raises(APIError):
+        parse_chat("x", INFO)
+
+
+def test_context_error_says_why():
+    err = rejects(completion, param="max_tokens", max_tokens=60)
+    assert "maximum context length is 64" in err.message and err.code == "context_length_exceeded"

@@ -73,7 +73,9 @@ def test_real_prefill_pages_bit_exact_and_decode_continues_like_single_process(s
         room = next_room()
         n_src = pages_for(len(prompt))
         n_dst = pages_for(len(prompt) + max_tokens)
-        recv = dict(room=room, bootstrap=addr(sender), n_pages=n_dst, n_src=n_src, keep=True, check_pattern=False)
+        recv = dict(
+            room=room, bootstrap=addr(sender), n_pages=n_dst, n_src=n_src, keep=True, check_pattern=False
+        )
         if i % 2 == 0:  # decode attaches first (prefill's room waits in Bootstrapping)
             assert rx.call("recv", **recv)["attached"]
             p = sender.call("prefill", room=room, prompt=prompt)
@@ -85,7 +87,9 @@ def test_real_prefill_pages_bit_exact_and_decode_continues_like_single_process(s
         assert ev_r["sha"] == p["src_sha"], "KV pages differ between prefill and decode"
         assert (ev_r["token"], ev_r["logprob"]) == (p["token"], p["logprob"])
         assert ev_s["ndescs"] == 2  # one coalesced KV run + the aux row
-        out = rx.call("decode", room=room, prompt_len=len(prompt), max_tokens=max_tokens, timeout=60)["tokens"]
+        out = rx.call("decode", room=room, prompt_len=len(prompt), max_tokens=max_tokens, timeout=60)[
+            "tokens"
+        ]
         assert out == ref[i], f"prompt {i}: disaggregated {out} != single-process {ref[i]}"
     rx.assert_whole()
     sender.assert_whole()
@@ -154,7 +158,9 @@ def test_receiver_sigstop_keeps_room_in_flight_and_completes_after_sigcont(sende
     t_cont = time.monotonic()
     ev_s, ev_r = sender.terminal(room), a.terminal(room)
     assert_ok(ev_s, ev_r)
-    print(f"\nfrozen {frozen_for:.2f}s in Transferring; Success {(ev_s['t'] - t_cont) * 1e3:.0f} ms after SIGCONT")
+    print(
+        f"\nfrozen {frozen_for:.2f}s in Transferring; Success {(ev_s['t'] - t_cont) * 1e3:.0f} ms after SIGCONT"
+    )
     a.assert_whole()
     sender.assert_whole()
 
@@ -177,7 +183,9 @@ def test_receiver_restart_with_new_epoch_works_without_restarting_sender(sender,
     t0 = time.monotonic()
     ev_s, ev_r = transfer_pattern(sender, a2, next_room(), 4)
     assert_ok(ev_s, ev_r)
-    print(f"\nfirst transfer to the restarted receiver (register+attach+write): {(time.monotonic() - t0) * 1e3:.0f} ms")
+    print(
+        f"\nfirst transfer to the restarted receiver (register+attach+write): {(time.monotonic() - t0) * 1e3:.0f} ms"
+    )
     orphan_ev = sender.terminal(orphan)
     assert orphan_ev["state"] == "Failed" and "restarted" in orphan_ev["reason"], orphan_ev
     st = sender.call("status")

@@ -82,7 +82,9 @@ class PeerProc:
                     raise PeerError(f"{self.name} exited while waiting for {what}; log: {self.tail()}")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise PeerError(f"{self.name}: timed out after {timeout}s waiting for {what}; log: {self.tail()}")
+                    raise PeerError(
+                        f"{self.name}: timed out after {timeout}s waiting for {what}; log: {self.tail()}"
+                    )
                 self._cv.wait(left)
 
     def tail(self, n: int = 3000) -> str:
@@ -92,7 +94,9 @@ class PeerProc:
             return ""
 
     def wait_ready(self, timeout: float = 90) -> dict:
-        self.ready = self._wait(lambda: next((e for e in self.events if e.get("ev") == "ready"), None), timeout, "ready")
+        self.ready = self._wait(
+            lambda: next((e for e in self.events if e.get("ev") == "ready"), None), timeout, "ready"
+        )
         return self.ready
 
     def send(self, cmd: str, **kw) -> int:
@@ -115,7 +119,9 @@ class PeerProc:
 
     def terminal(self, room: int, timeout: float = 30) -> dict:
         return self.wait_event(
-            lambda e: e.get("ev") == "terminal" and e["room"] == room, timeout, f"terminal event of room {room}"
+            lambda e: e.get("ev") == "terminal" and e["room"] == room,
+            timeout,
+            f"terminal event of room {room}",
         )
 
     def wait_status(self, pred: Callable[[dict], bool], timeout: float = 10, what: str = "status") -> dict:

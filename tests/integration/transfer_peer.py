@@ -95,7 +95,10 @@ class Endpoint:
 class SenderEndpoint(Endpoint):
     async def start(self):
         self.sender = KVSender(
-            self.agent, self.pool, on_terminal=self._on_terminal, stall_before_post=self.args.stall_before_post
+            self.agent,
+            self.pool,
+            on_terminal=self._on_terminal,
+            stall_before_post=self.args.stall_before_post,
         )
         self._orig_apply = self.sender._apply_attach
         self.sender._apply_attach = self._apply_attach  # the "scheduler": run attached rooms
@@ -196,7 +199,9 @@ class SenderEndpoint(Endpoint):
         from services.engine.sampling_params import SamplingParams
 
         pool = KVPool(self.config, 64, page_size=16)
-        params = [SamplingParams(temperature=0.0, max_tokens=c["max_tokens"], ignore_eos=True)] * len(c["prompts"])
+        params = [SamplingParams(temperature=0.0, max_tokens=c["max_tokens"], ignore_eos=True)] * len(
+            c["prompts"]
+        )
         return {"tokens": generate(self.model, pool, c["prompts"], params)}
 
 
@@ -218,7 +223,13 @@ class ReceiverEndpoint(Endpoint):
 
     def _on_terminal(self, r: ReceiverRoom) -> None:
         w = self.work.get(r.room)
-        ev = {"ev": "terminal", "side": "receiver", "room": r.room, "state": r.state.label, "reason": r.reason}
+        ev = {
+            "ev": "terminal",
+            "side": "receiver",
+            "room": r.room,
+            "state": r.state.label,
+            "reason": r.reason,
+        }
         if w is not None:
             n_src = w["n_src"]
             pages = w["pages"][:n_src]
@@ -263,7 +274,11 @@ class ReceiverEndpoint(Endpoint):
 
         room = c["room"]
         w, row = self.work[room], self.receiver.result(room)
-        runner, sampler, params = ModelRunner(self.model, self.pool), Sampler(), SamplingParams(temperature=0.0)
+        runner, sampler, params = (
+            ModelRunner(self.model, self.pool),
+            Sampler(),
+            SamplingParams(temperature=0.0),
+        )
         tokens, pos = [row.token], c["prompt_len"]
         while len(tokens) < c["max_tokens"]:
             logits = runner.decode([DecodeItem(tokens[-1], pos, w["pages"])])
@@ -301,7 +316,14 @@ async def main_async(args) -> None:
             res = await getattr(ep, "cmd_" + c["cmd"])(c)
             emit({"id": c.get("id"), "ok": True, **(res or {})})
         except Exception as e:
-            emit({"id": c.get("id"), "ok": False, "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()})
+            emit(
+                {
+                    "id": c.get("id"),
+                    "ok": False,
+                    "error": f"{type(e).__name__}: {e}",
+                    "tb": traceback.format_exc(),
+                }
+            )
 
     tasks = set()
     while True:

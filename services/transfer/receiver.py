@@ -1,0 +1,259 @@
+"""Decode side of the KV transfer: rooms waiting for KV, notifications, aux-row verification.
+
+Owned by the decode worker's asyncio loop. Typical life of a room:
+
+    receiver.create_room(room, bootstrap_addr)       # Decode RPC arrived -> Bootstrapping
+    params = receiver.prepare_attach(room, pages)    # pages allocated by the worker; aux slot taken
+    (Attach RPC, see services/transfer/bootstrap.py: KVReceiveCoordinator does all of this)
+    receiver.mark_attached(room, sender_agent, sender_epoch)   # -> WaitingForInput (phase 1)
+    receiver.mark_forward_done(room)                 # heartbeat says forward done -> Transferring (phase 2)
+    receiver.poll()                                  # notification + verified aux row -> Success
+    row = receiver.result(room)                      # first token id and logprob
+    receiver.release(room)                           # worker took over the pages -> gone
+
+A notification is accepted only if it comes from the agent the room attached to, carries this
+receiver's epoch and the sender's epoch, and the aux row in the room's slot names this room and
+that sender epoch. Anything else fails the room: never wrong KV with a 200.
+
+No torch and no nixl import (the agent is passed in).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.transfer.protocol import AUX_WORDS, AuxRow, KVNotification, verify_aux
+from services.transfer.state import Clock, Room, RoomState, RoomTable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AttachParams:
+    room: int
+    agent_name: str
+    epoch: int
+    dst_pages: list[int]
+    dst_aux_slot: int
+
+
+@dataclass(eq=False)
+class ReceiverRoom(Room):
+    peer: str = ""  # the prefill's bootstrap address
+    dst_pages: list[int] | None = None
+    aux_slot: int | None = None
+    sender_agent: str | None = None
+    sender_epoch: int | None = None
+    result: AuxRow | None = None
+    attached_at: float | None = None
+    forward_done_at: float | None = None
+    early: list[tuple[str, KVNotification]] | None = None  # notifications before the attach reply
+
+
+_WAITING = (RoomState.WAITING_FOR_INPUT, RoomState.TRANSFERRING)
+
+
+class KVReceiver:
+    def __init__(
+        self,
+        agent,
+        pool,
+        *,
+        clock: Clock = time.monotonic,
+        on_terminal: Callable[[ReceiverRoom], None] | None = None,
+        tombstones: int = 65536,
+    ):
+        """agent: NixlAgent of this process; pool: KVPool (uses .aux and .aux_allocator)."""
+        self.agent = agent
+        self.pool = pool
+        self.clock = clock
+        self.on_terminal = on_terminal
+        self.rooms: RoomTable[ReceiverRoom] = RoomTable(clock, tombstones)
+        self.wakeup: Callable[[], None] = lambda: None  # set by the poller
+        self.stats = {"success": 0, "failed": 0, "dropped_notifs": 0, "foreign_notifs": 0}
+
+    @property
+    def agent_name(self) -> str:
+        return self.agent.name
+
+    @property
+    def epoch(self) -> int:
+        return self.agent.epoch
+
+    # --- rooms --------------------------------------------------------------------------
+    def create_room(self, room: int, peer: str) -> ReceiverRoom:
+        """Raises DuplicateRoom for a live or finished room id."""
+        return self.rooms.add(ReceiverRoom(room, self.clock(), peer=peer))
+
+    def prepare_attach(self, room: int, dst_pages: list[int]) -> AttachParams:
+        """Record the destination pages (allocated by the worker) and take an aux slot."""
+        r = self.rooms.get(room)
+        if r is None or r.state != RoomState.BOOTSTRAPPING:
+            raise ValueError(f"room {room} cannot attach ({'unknown' if r is None else r.state.label})")
+        if r.aux_slot is None:
+            r.aux_slot = self.pool.aux_allocator.alloc(1, owner=("kv-recv", room))[0]
+            for i in range(AUX_WORDS):  # a stale row can never pass verification
+                self.pool.aux[r.aux_slot, i] = 0
+        r.dst_pages = list(dst_pages)
+        r.early = []
+        self.wakeup()  # poll notifications from now on (one may beat the attach reply)
+        return AttachParams(room, self.agent_name, self.epoch, list(dst_pages), r.aux_slot)
+
+    def mark_attached(self, room: int, sender_agent: str, sender_epoch: int) -> bool:
+        """The Attach RPC succeeded -> WaitingForInput. False if the room is gone or terminal."""
+        r = self.rooms.get(room)
+        if r is None or r.state.terminal:
+            self.rooms.dropped_events += 1
+            return False
+        r.sender_agent, r.sender_epoch = sender_agent, sender_epoch
+        r.attached_at = self.clock()
+        r.advance(RoomState.WAITING_FOR_INPUT, r.attached_at)
+        early, r.early = r.early or [], None
+        for sender, n in early:
+            self._on_notif(r, sender, n)
+        self.wakeup()
+        return True
+
+    def mark_forward_done(self, room: int) -> bool:
+        """Prefill finished the forward and is sending -> Transferring (phase-2 clock)."""
+        r = self.rooms.get(room)
+        if r is None or r.state != RoomState.WAITING_FOR_INPUT:
+            return False
+        r.forward_done_at = self.clock()
+        return r.advance(RoomState.TRANSFERRING, r.forward_done_at)
+
+    def poll(self) -> int:
+        """Fetch notifications (this also drives UCX progress, which the sender's WRITE needs
+        to complete). Returns how many rooms still wait for KV."""
+        for sender, msgs in self.agent.get_notifs().items():
+            for msg in msgs:
+                n = KVNotification.decode(msg)
+                if n is None:
+                    self.stats["foreign_notifs"] += 1
+                    continue
+                r = self.rooms.get(n.room)
+                if r is None or r.state.terminal:
+                    self.stats["dropped_notifs"] += 1  # late: the room is gone
+                    self.rooms.dropped_events += 1
+                    continue
+                if r.state == RoomState.BOOTSTRAPPING:
+                    if r.early is None:  # not even attaching: cannot be ours
+                        self.stats["dropped_notifs"] += 1
+                        continue
+                    r.early.append((sender, n))
+                    continue
+                self._on_notif(r, sender, n)
+        return self.num_waiting
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(
+            1
+            for r in self.rooms
+            if r.state in _WAITING or (r.state == RoomState.BOOTSTRAPPING and r.early is not None)
+        )
+
+    def _on_notif(self, r: ReceiverRoom, sender: str, n: KVNotification) -> None:
+        if r.state.terminal:
+            return
+        if sender != r.sender_agent:
+            self._fail(r, f"KV notification for room {r.room} from {sender}, attached to {r.sender_agent}")
+            return
+        if n.receiver_epoch != self.epoch or n.sender_epoch != r.sender_epoch:
+            self._fail(
+                r,
+                f"KV notification epochs (sender {n.sender_epoch}, receiver {n.receiver_epoch}) "
+                f"!= expected (sender {r.sender_epoch}, receiver {self.epoch})",
+            )
+            return
+        row = AuxRow.from_words([int(v) for v in self.pool.aux[r.aux_slot].tolist()])
+        why = verify_aux(row, r.room, r.sender_epoch)
+        if why:
+            self._fail(r, why)
+            return
+        r.result = row
+        r.advance(RoomState.SUCCESS, self.clock())
+        self.stats["success"] += 1
+        self._notify(r)
+
+    def result(self, room: int) -> AuxRow | None:
+        r = self.rooms.get(room)
+        return r.result if r is not None else None
+
+    def fail(self, room: int, reason: str) -> bool:
+        """Fail a room (watchdog, heartbeat, abort). False when unknown or terminal."""
+        r = self.rooms.get(room)
+        if r is None:
+            self.rooms.dropped_events += 1
+            return False
+        return self._fail(r, reason)
+
+    def _fail(self, r: ReceiverRoom, reason: str) -> bool:
+        if not r.fail(reason, self.clock()):
+            return False
+        self.stats["failed"] += 1
+        log.warning("kv receive failed room=%d reason=%s", r.room, reason)
+        self._notify(r)
+        return True
+
+    def _notify(self, r: ReceiverRoom) -> None:
+        if self.on_terminal is not None:
+            try:
+                self.on_terminal(r)
+            except Exception:
+                log.exception("on_terminal callback failed for room %d", r.room)
+
+    def release(self, room: int) -> ReceiverRoom | None:
+        """Forget a room and free its aux slot (the worker keeps/frees the KV pages).
+        A non-terminal room fails first."""
+        r = self.rooms.get(room)
+        if r is None:
+            return None
+        if not r.state.terminal:
+            self._fail(r, "released while in flight")
+        if r.aux_slot is not None:
+            self.pool.aux_allocator.free([r.aux_slot], owner=("kv-recv", room))
+            r.aux_slot = None
+        return self.rooms.remove(room)
+
+    # --- liveness -----------------------------------------------------------------------
+    def waiting_by_peer(self) -> dict[str, list[int]]:
+        """Attached rooms still waiting for KV, grouped by prefill address (for heartbeats)."""
+        out: dict[str, list[int]] = {}
+        for r in self.rooms.in_state(*_WAITING):
+            out.setdefault(r.peer, []).append(r.room)
+        return out
+
+    def apply_heartbeat(
+        self, peer: str, asked: list[int], sender_epoch: int, held: list[int], forward_done: list[int]
+    ) -> list[int]:
+        """Fail asked rooms prefill no longer holds (or held by another prefill generation);
+        start phase 2 for rooms whose forward is done. Returns the rooms failed."""
+        held_s, done_s, failed = set(held), set(forward_done), []
+        for room in asked:
+            r = self.rooms.get(room)
+            if r is None or r.state not in _WAITING or r.peer != peer:
+                continue
+            if r.sender_epoch != sender_epoch:
+                if self._fail(r, f"prefill {peer} restarted (epoch {r.sender_epoch} -> {sender_epoch})"):
+                    failed.append(room)
+            elif room not in held_s:
+                if self._fail(r, f"prefill {peer} no longer holds room {room}"):
+                    failed.append(room)
+            elif room in done_s:
+                self.mark_forward_done(room)
+        return failed
+
+    def fail_peer(self, peer: str, reason: str) -> list[int]:
+        """Prefill unreachable: fail every room waiting on it (incl. ones still attaching)."""
+        failed = []
+        for r in self.rooms:
+            if r.peer == peer and not r.state.terminal and self._fail(r, reason):
+                failed.append(r.room)
+        return failed
+
+    def counts(self) -> dict[str, int]:
+        return {s.label: self.rooms.count(s) for s in RoomState}

@@ -1,0 +1,468 @@
+"""Prefill side of the KV transfer: peers, rooms, WRITE posting and completion.
+
+Owned by the prefill worker's asyncio loop; every method is synchronous and quick (NIXL calls
+here only build, post or check transfers). Typical life of a room:
+
+    sender.create_room(room)                       # Prefill RPC arrived -> Bootstrapping
+    sender.attach(room, agent, epoch, pages, slot)  # decode's Attach RPC -> WaitingForInput
+    sender.send(room, src_pages, token, logprob)    # after the final chunk -> Transferring
+    sender.poll()                                   # by services/transfer/poller.py -> Success|Failed
+    sender.release(room)                            # worker freed its pages -> gone (tombstoned)
+
+Attach and create may come in either order (the router calls both workers at once): an attach
+for a room not created yet is parked and claimed by create_room. The KV pages stay owned by the
+worker; this class owns the NIXL handles and one aux staging row per sending room.
+
+No torch and no nixl import: the agent is passed in (services/transfer/nixl_agent.NixlAgent, or
+a fake in unit tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.transfer.descriptors import Desc, page_descs
+from services.transfer.protocol import (
+    AUX_WORDS,
+    AuxRow,
+    KVNotification,
+    MemoryKind,
+    MemoryLayout,
+    NixlError,
+    TransferError,
+)
+from services.transfer.state import Clock, DuplicateRoom, Room, RoomState, RoomTable
+
+log = logging.getLogger(__name__)
+
+
+class BootstrapRejected(TransferError):
+    """A bootstrap call the sender refuses. ``kind`` is machine-readable (sent as gRPC
+    trailing metadata), ``code`` the gRPC status code name."""
+
+    def __init__(self, kind: str, code: str, msg: str):
+        super().__init__(msg)
+        self.kind, self.code = kind, code
+
+
+def _reject(kind: str, code: str, msg: str) -> BootstrapRejected:
+    return BootstrapRejected(kind, code, msg)
+
+
+@dataclass(eq=False)
+class Peer:
+    worker_id: str
+    agent_name: str
+    epoch: int
+    layout: MemoryLayout
+
+
+@dataclass(frozen=True)
+class AttachInfo:
+    agent_name: str
+    epoch: int
+    dst_pages: tuple[int, ...]
+    dst_aux_slot: int
+    at: float
+
+
+@dataclass(eq=False)
+class _Stage:
+    descs: list[Desc]
+    kind: MemoryKind
+    local_device: int
+    remote_device: int
+    notif: bytes
+
+
+@dataclass(eq=False)
+class SenderRoom(Room):
+    attach: AttachInfo | None = None
+    src_pages: list[int] | None = None
+    aux_slot: int | None = None
+    stages: list[_Stage] = field(default_factory=list)
+    xfer: Any = None
+    nbytes: int = 0
+    ndescs: int = 0
+    posted_at: float | None = None
+    done_at: float | None = None
+
+    @property
+    def peer(self) -> str | None:
+        return self.attach.agent_name if self.attach else None
+
+
+class KVSender:
+    def __init__(
+        self,
+        agent,
+        pool,
+        *,
+        clock: Clock = time.monotonic,
+        on_terminal: Callable[[SenderRoom], None] | None = None,
+        max_desc_bytes: int | None = None,
+        pending_attach_ttl: float = 300.0,
+        stall_before_post: float = 0.0,
+        tombstones: int = 65536,
+    ):
+        """agent: NixlAgent of this process; pool: KVPool (uses .aux and .aux_allocator).
+
+        stall_before_post: TEST-ONLY fault knob (seconds): a room waits this long in
+        Transferring before its WRITE is posted. Off (0) by default; logged loudly when on.
+        """
+        self.agent = agent
+        self.pool = pool
+        self.clock = clock
+        self.on_terminal = on_terminal
+        self.on_attached: Callable[[SenderRoom], None] | None = None
+        self.max_desc_bytes = max_desc_bytes
+        self.pending_attach_ttl = pending_attach_ttl
+        self.stall_before_post = stall_before_post
+        if stall_before_post:
+            log.warning("FAULT INJECTION ON: KV sender stalls %.3f s before every post", stall_before_post)
+        self.rooms: RoomTable[SenderRoom] = RoomTable(clock, tombstones)
+        self._pending: dict[int, AttachInfo] = {}
+        self._peers: dict[str, Peer] = {}  # by agent name
+        self._by_worker: dict[str, Peer] = {}
+        self.wakeup: Callable[[], None] = lambda: None  # set by the poller
+        self.stats = {"success": 0, "failed": 0, "bytes": 0, "peers_replaced": 0, "peers_dropped": 0}
+
+    # --- identity -----------------------------------------------------------------------
+    @property
+    def agent_name(self) -> str:
+        return self.agent.name
+
+    @property
+    def epoch(self) -> int:
+        return self.agent.epoch
+
+    @property
+    def layout(self) -> MemoryLayout:
+        return self.agent.layout
+
+    # --- peers --------------------------------------------------------------------------
+    def register_peer(
+        self, worker_id: str, agent_name: str, epoch: int, metadata: bytes, layout: MemoryLayout
+    ) -> None:
+        """RegisterPeer. A newer epoch of a known worker replaces the old agent (its rooms fail)."""
+        why = self.layout.compatible_with(layout)
+        if why:
+            raise _reject(
+                "layout-mismatch", "FAILED_PRECONDITION", f"decode {worker_id} KV layout incompatible: {why}"
+            )
+        old = self._by_worker.get(worker_id)
+        if old is not None:
+            if old.agent_name == agent_name and old.epoch == epoch:
+                if agent_name in self._peers:
+                    return  # idempotent re-registration
+            elif epoch < old.epoch:
+                raise _reject(
+                    "stale-epoch",
+                    "FAILED_PRECONDITION",
+                    f"decode {worker_id} registered epoch {epoch} older than the known epoch {old.epoch}",
+                )
+            else:
+                self.stats["peers_replaced"] += 1
+                log.info(
+                    "decode %s restarted: replacing agent %s with %s", worker_id, old.agent_name, agent_name
+                )
+                self._drop_peer(old, f"decode {worker_id} restarted (epoch {old.epoch} -> {epoch})")
+        try:
+            loaded = self.agent.add_peer(metadata)
+        except NixlError as e:
+            raise _reject(
+                "bad-metadata", "INVALID_ARGUMENT", f"cannot load NIXL metadata of {agent_name}: {e}"
+            ) from e
+        if loaded != agent_name:
+            self.agent.remove_peer(loaded)
+            raise _reject(
+                "bad-metadata",
+                "INVALID_ARGUMENT",
+                f"metadata names agent {loaded!r}, request says {agent_name!r}",
+            )
+        peer = Peer(worker_id, agent_name, epoch, layout)
+        self._peers[agent_name] = peer
+        self._by_worker[worker_id] = peer
+
+    def _drop_peer(self, peer: Peer, reason: str) -> None:
+        for r in self.rooms:
+            if r.peer == peer.agent_name:
+                self._fail(r, reason)
+        for room, a in list(self._pending.items()):
+            if a.agent_name == peer.agent_name:
+                del self._pending[room]
+        self._peers.pop(peer.agent_name, None)
+        if self._by_worker.get(peer.worker_id) is peer:
+            del self._by_worker[peer.worker_id]
+        self.agent.remove_peer(peer.agent_name)
+
+    def peer_registered(self, agent_name: str, epoch: int) -> bool:
+        p = self._peers.get(agent_name)
+        return p is not None and p.epoch == epoch
+
+    @property
+    def peers(self) -> list[Peer]:
+        return list(self._peers.values())
+
+    # --- rooms --------------------------------------------------------------------------
+    def create_room(self, room: int) -> SenderRoom:
+        """The Prefill RPC arrived. Raises DuplicateRoom for a live or finished room id."""
+        r = self.rooms.add(SenderRoom(room, self.clock()))
+        a = self._pending.pop(room, None)
+        if a is not None:
+            self._apply_attach(r, a)
+        return r
+
+    def attach(self, room: int, agent_name: str, epoch: int, dst_pages: list[int], dst_aux_slot: int) -> None:
+        """decode's Attach. Raises BootstrapRejected."""
+        peer = self._peers.get(agent_name)
+        if peer is None or peer.epoch != epoch:
+            raise _reject(
+                "peer-not-registered",
+                "FAILED_PRECONDITION",
+                f"agent {agent_name} (epoch {epoch}) is not registered; call RegisterPeer",
+            )
+        if not dst_pages:
+            raise _reject("bad-request", "INVALID_ARGUMENT", "attach without destination pages")
+        bad = [p for p in dst_pages if not 0 <= p < peer.layout.num_pages]
+        if bad or len(set(dst_pages)) != len(dst_pages):
+            raise _reject(
+                "bad-request", "INVALID_ARGUMENT", f"invalid destination pages {bad or 'duplicates'}"
+            )
+        if not 0 <= dst_aux_slot < peer.layout.num_aux_slots:
+            raise _reject("bad-request", "INVALID_ARGUMENT", f"invalid aux slot {dst_aux_slot}")
+        info = AttachInfo(agent_name, epoch, tuple(dst_pages), dst_aux_slot, self.clock())
+        r = self.rooms.get(room)
+        if r is None:
+            outcome = self.rooms.outcome(room)
+            if outcome is not None:
+                raise _reject("room-finished", "NOT_FOUND", f"room {room} already finished ({outcome.label})")
+            if room in self._pending:
+                raise _reject("room-duplicate", "ALREADY_EXISTS", f"room {room} already attached")
+            self._pending[room] = info  # Prefill RPC not here yet
+            return
+        if r.state.terminal:
+            raise _reject("room-finished", "NOT_FOUND", f"room {room} already finished ({r.state.label})")
+        if r.attach is not None or r.state != RoomState.BOOTSTRAPPING:
+            raise _reject(
+                "room-duplicate", "ALREADY_EXISTS", f"room {room} already attached ({r.state.label})"
+            )
+        self._apply_attach(r, info)
+
+    def _apply_attach(self, r: SenderRoom, a: AttachInfo) -> None:
+        r.attach = a
+        r.advance(RoomState.WAITING_FOR_INPUT, self.clock())
+        if self.on_attached is not None:
+            self.on_attached(r)  # the worker's scheduler: the room may now be prefilled
+
+    def send(self, room: int, src_pages: list[int], first_token: int, logprob: float) -> bool:
+        """Forward done: post the WRITE of src_pages (in token order) and the aux row.
+
+        False (nothing done) if the room is unknown or already terminal (a late event).
+        Raises ValueError if the room is not attached yet (the scheduler must not run it)."""
+        r = self.rooms.get(room)
+        if r is None or r.state.terminal:
+            self.rooms.dropped_events += 1
+            return False
+        if r.state != RoomState.WAITING_FOR_INPUT:
+            raise ValueError(f"room {room} is {r.state.label}, not attached/waiting")
+        a = r.attach
+        peer = self._peers.get(a.agent_name)
+        now = self.clock()
+        r.advance(RoomState.TRANSFERRING, now)
+        if peer is None or peer.epoch != a.epoch:
+            self._fail(r, f"decode agent {a.agent_name} is gone")
+            return True
+        if len(src_pages) > len(a.dst_pages):
+            self._fail(r, f"{len(src_pages)} KV pages but decode attached only {len(a.dst_pages)}")
+            return True
+        try:
+            slot = self.pool.aux_allocator.alloc(1, owner=("kv-send", room))[0]
+        except Exception as e:
+            self._fail(r, f"no aux staging slot: {e}")
+            return True
+        r.aux_slot = slot
+        words = AuxRow(room, first_token, logprob, self.epoch).words()
+        for i in range(AUX_WORDS):
+            self.pool.aux[slot, i] = words[i]
+        lay = self.layout
+        kv = page_descs(
+            src_pages,
+            a.dst_pages[: len(src_pages)],
+            lay.kv_base_addr,
+            peer.layout.kv_base_addr,
+            lay.page_nbytes,
+            self.max_desc_bytes,
+        )
+        aux = Desc(lay.aux_addr(slot), peer.layout.aux_addr(a.dst_aux_slot), lay.aux_row_nbytes)
+        notif = KVNotification(room, self.epoch, a.epoch).encode()
+        kv_kind, dev = lay.kv_memory_kind, lay.kv_device_id
+        if kv_kind == MemoryKind.DRAM and peer.layout.kv_memory_kind == MemoryKind.DRAM:
+            # one WRITE; its notification is delivered after all of its bytes landed
+            r.stages = [_Stage(kv + [aux], MemoryKind.DRAM, 0, 0, notif)]
+        else:
+            # KV and aux live in different memory kinds: KV first, the aux row (+notif) after it is DONE
+            r.stages = [
+                _Stage(kv, kv_kind, dev, peer.layout.kv_device_id, b""),
+                _Stage([aux], MemoryKind.DRAM, 0, 0, notif),
+            ]
+        r.ndescs = len(kv) + 1
+        r.nbytes = sum(d.nbytes for d in kv) + aux.nbytes
+        r.posted_at = now
+        if self.stall_before_post <= 0:
+            self._post_next(r)
+        self.wakeup()
+        return True
+
+    def _post_next(self, r: SenderRoom) -> None:
+        st = r.stages.pop(0)
+        try:
+            r.xfer, status = self.agent.post_write(
+                r.peer, st.descs, st.kind, st.local_device, st.remote_device, st.notif
+            )
+        except NixlError as e:
+            self._on_nixl_error(r, e)
+            return
+        if status == "DONE":
+            self._stage_done(r)
+
+    def _stage_done(self, r: SenderRoom) -> None:
+        if r.xfer is not None:
+            self.agent.release(r.xfer)
+            r.xfer = None
+        if r.stages:
+            self._post_next(r)
+            return
+        r.done_at = self.clock()
+        r.advance(RoomState.SUCCESS, r.done_at)
+        self.stats["success"] += 1
+        self.stats["bytes"] += r.nbytes
+        self._finish(r)
+
+    def _on_nixl_error(self, r: SenderRoom, e: NixlError) -> None:
+        self._fail(r, f"NIXL: {e}")
+        if e.disconnected:
+            peer = self._peers.get(r.peer) if r.peer else None
+            if peer is not None:
+                # the connection is gone: fail its other rooms now and forget the agent; a live
+                # decode re-registers on its next attach
+                self.stats["peers_dropped"] += 1
+                self._drop_peer(peer, f"decode agent {peer.agent_name} disconnected")
+
+    def poll(self) -> int:
+        """Drive transfers: check in-flight handles, finish rooms. Returns how many rooms
+        still need polling (0: the poller may sleep until woken)."""
+        busy = 0
+        now = self.clock()
+        for r in self.rooms.in_state(RoomState.TRANSFERRING):
+            if r.state != RoomState.TRANSFERRING:  # failed meanwhile by a peer drop
+                continue
+            if r.xfer is None:
+                if r.stages and now - r.posted_at >= self.stall_before_post:
+                    self._post_next(r)
+                if r.state == RoomState.TRANSFERRING:
+                    busy += 1
+                continue
+            try:
+                st = self.agent.check(r.xfer)
+            except NixlError as e:
+                self._on_nixl_error(r, e)
+                continue
+            if st == "DONE":
+                self._stage_done(r)
+            if r.state == RoomState.TRANSFERRING:
+                busy += 1
+        self.agent.retry_releases()
+        if self._pending:
+            for room, a in list(self._pending.items()):
+                if now - a.at > self.pending_attach_ttl:
+                    del self._pending[room]
+        return busy
+
+    def abort(self, room: int, reason: str) -> bool:
+        """Abort from either side. Fails a live room; a room not created yet is remembered as
+        failed so a later attach is refused. Returns whether the room was known."""
+        if room in self._pending:
+            del self._pending[room]
+            self.rooms.tombstone(room, RoomState.FAILED)
+            return True
+        r = self.rooms.get(room)
+        if r is None:
+            known = self.rooms.is_known(room)
+            self.rooms.tombstone(room, RoomState.FAILED)
+            return known
+        self._fail(r, reason)
+        return True
+
+    def fail(self, room: int, reason: str) -> bool:
+        """Fail a room (watchdog, worker errors). False when unknown or already terminal."""
+        r = self.rooms.get(room)
+        if r is None:
+            self.rooms.dropped_events += 1
+            return False
+        return self._fail(r, reason)
+
+    def _fail(self, r: SenderRoom, reason: str) -> bool:
+        if not r.fail(reason, self.clock()):
+            return False
+        self.stats["failed"] += 1
+        log.warning("kv send failed room=%d reason=%s", r.room, reason)
+        self._finish(r)
+        return True
+
+    def _finish(self, r: SenderRoom) -> None:
+        """Terminal: release NIXL handle and aux slot, tell the owner."""
+        if r.xfer is not None:
+            self.agent.release(r.xfer)
+            r.xfer = None
+        r.stages = []
+        if r.aux_slot is not None:
+            self.pool.aux_allocator.free([r.aux_slot], owner=("kv-send", r.room))
+            r.aux_slot = None
+        if self.on_terminal is not None:
+            try:
+                self.on_terminal(r)
+            except Exception:
+                log.exception("on_terminal callback failed for room %d", r.room)
+
+    def release(self, room: int) -> SenderRoom | None:
+        """Forget a room (its terminal state is remembered). A non-terminal room fails first."""
+        r = self.rooms.get(room)
+        if r is not None and not r.state.terminal:
+            self._fail(r, "released while in flight")
+        return self.rooms.remove(room)
+
+    # --- heartbeat ----------------------------------------------------------------------
+    def heartbeat(self, agent_name: str, epoch: int, rooms: list[int]) -> tuple[list[int], list[int], bool]:
+        """(held, forward_done, registered) for decode's liveness check."""
+        held, done = [], []
+        for room in rooms:
+            r = self.rooms.get(room)
+            if r is not None:
+                if r.state == RoomState.FAILED or (r.peer is not None and r.peer != agent_name):
+                    continue
+                held.append(room)
+                if r.state in (RoomState.TRANSFERRING, RoomState.SUCCESS):
+                    done.append(room)
+            elif room in self._pending:
+                if self._pending[room].agent_name == agent_name:
+                    held.append(room)
+            elif self.rooms.outcome(room) == RoomState.SUCCESS:
+                held.append(room)
+                done.append(room)
+        return held, done, self.peer_registered(agent_name, epoch)
+
+    # --- introspection ------------------------------------------------------------------
+    @property
+    def num_pending_attach(self) -> int:
+        return len(self._pending)
+
+    def counts(self) -> dict[str, int]:
+        return {s.label: self.rooms.count(s) for s in RoomState}
+
+
+__all__ = ["KVSender", "SenderRoom", "BootstrapRejected", "Peer", "AttachInfo", "DuplicateRoom"]

@@ -93,13 +93,11 @@ def main() -> None:
         )
         _wait(procs, {"router": f"http://{HOST}:{ROUTER_PORT}/health"})
         print(
-            "\n[mesh] ready: router http://{h}:{r}  prefill metrics http://{h}:{ph}/metrics  "
-            "decode metrics http://{h}:{dh}/metrics\n\n"
-            "curl http://{h}:{r}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-            "  -d '{{\"model\": \"pdmesh-tiny\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
-            "\"max_tokens\": 32}}'\n\n[mesh] Ctrl-C stops everything.".format(
-                h=HOST, r=ROUTER_PORT, ph=PREFILL_HTTP, dh=DECODE_HTTP
-            ),
+            f"\n[mesh] ready: router http://{HOST}:{ROUTER_PORT}  prefill metrics http://{HOST}:{PREFILL_HTTP}/metrics  "
+            f"decode metrics http://{HOST}:{DECODE_HTTP}/metrics\n\n"
+            f"curl http://{HOST}:{ROUTER_PORT}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            "  -d '{\"model\": \"pdmesh-tiny\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], "
+            "\"max_tokens\": 32}'\n\n[mesh] Ctrl-C stops everything.",
             flush=True,
         )
         while not stopping and all(p.poll() is None for p in procs.values()):

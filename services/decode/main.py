@@ -44,7 +44,10 @@ async def serve(argv=None) -> None:
         heartbeat_max_failures=args.heartbeat_max_failures,
     )
     metrics = Metrics("decode", engine.model_name, worker_id)
-    worker = DecodeWorker(engine, receiver, coordinator, metrics, faults, args.max_running_requests)
+    worker = DecodeWorker(
+        engine, receiver, coordinator, metrics, faults, args.max_running_requests,
+        quarantine_max=args.transfer_timeout, quarantine_retry=min(args.heartbeat_interval, 1.0),
+    )
 
     server, health = new_server()
     wpb_grpc.add_DecodeServicer_to_server(DecodeServicer(worker), server)
@@ -61,6 +64,7 @@ async def serve(argv=None) -> None:
             "epoch": agent.epoch,
             "nixl_live_handles": agent.num_live_handles,
             "rooms": len(worker.jobs),
+            "kv_pages_quarantined": sum(len(p) for p in worker.quarantined.values()),
             **engine.pool_health(),
         }
 

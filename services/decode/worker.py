@@ -22,6 +22,8 @@ import signal
 import time
 from dataclasses import dataclass, field
 
+import grpc
+
 from services.common.faults import Faults
 from services.common.logging_setup import bound_room, get_logger
 from services.common.metrics import Metrics
@@ -30,7 +32,7 @@ from services.engine.page_allocator import OutOfPages
 from services.engine.runner import DecodeItem
 from services.engine.sampling_params import SamplingParams
 from services.engine.worker_engine import WorkerEngine
-from services.transfer.bootstrap import KVReceiveCoordinator
+from services.transfer.bootstrap import BootstrapCallError, KVReceiveCoordinator
 from services.transfer.receiver import KVReceiver, ReceiverRoom
 from services.transfer.state import RoomState
 
@@ -65,6 +67,7 @@ class Job:
     created_at: float = field(default_factory=time.monotonic)
     pages: list[int] | None = None
     attaching: bool = False
+    attach_sent: bool = False  # prefill knows our pages: it may WRITE into them until it lets go
     running: bool = False
     in_forward: bool = False
     finished: bool = False
@@ -81,6 +84,8 @@ class DecodeWorker:
         metrics: Metrics,
         faults: Faults,
         max_running: int,
+        quarantine_max: float = 60.0,
+        quarantine_retry: float = 0.5,
     ):
         self.engine = engine
         self.receiver = receiver
@@ -89,6 +94,12 @@ class DecodeWorker:
         self.faults = faults
         self.max_running = max_running
         self.jobs: dict[int, Job] = {}
+        # Pages of rooms that failed after prefill learned their ids, held back until prefill
+        # confirms it let go of the room (or is gone): a late WRITE must not land in pages
+        # already handed to another request.
+        self.quarantined: dict[int, list[int]] = {}
+        self.quarantine_max = quarantine_max
+        self.quarantine_retry = quarantine_retry
         self._seq = itertools.count()
         self._alloc_work = asyncio.Event()
         self._decode_work = asyncio.Event()
@@ -128,7 +139,7 @@ class DecodeWorker:
         if job is None or job.finished:
             return False
         self.metrics.inc(self.metrics.num_aborted_requests)
-        self._fail(job, reason, "CANCELLED", tell_prefill=True)
+        self._fail(job, reason, "CANCELLED")
         return True
 
     def evict(self, room: int, queue: str, age: float, deadline: float) -> None:
@@ -148,23 +159,17 @@ class DecodeWorker:
             job,
             f"watchdog: {age:.1f}s in the {queue} queue exceeds its {deadline:g}s deadline",
             "DEADLINE_EXCEEDED",
-            tell_prefill=True,
         )
 
     # --- failure and cleanup ---------------------------------------------------------------
-    def _fail(self, job: Job, reason: str, code: str, tell_prefill: bool) -> None:
+    def _fail(self, job: Job, reason: str, code: str) -> None:
         if job.finished:
             return
         job.finished = True
         with bound_room(job.room):
             log.info("decode room failed", reason=reason, code=code)
         job.out.put_nowait(DecodeFailed(reason, code))
-        state = self._state(job)
         self.receiver.fail(job.room, reason)
-        if tell_prefill and state is not None and not state.terminal and job.pages is not None:
-            # prefill may hold the room (attached or attaching): release it there now rather
-            # than at its own deadline
-            self._spawn(self._tell_prefill(job.room, job.prefill_addr, reason))
         if not job.in_forward and not job.attaching:
             self._cleanup(job)
 
@@ -173,17 +178,42 @@ class DecodeWorker:
         if self.jobs.pop(job.room, None) is None:
             return
         if job.pages is not None:
-            self.engine.pool.allocator.free(job.pages, owner=job.room)
+            if job.attach_sent and not job.running:
+                self.quarantined[job.room] = job.pages
+                self._spawn(self._release_when_prefill_lets_go(job.room, job.prefill_addr, job.pages))
+            else:
+                self.engine.pool.allocator.free(job.pages, owner=job.room)
             job.pages = None
         self.receiver.release(job.room)
         self._alloc_work.set()
 
-    async def _tell_prefill(self, room: int, prefill_addr: str, reason: str) -> None:
-        try:
-            await self.coordinator.client(prefill_addr).abort(room, reason, self.receiver.agent_name)
-        except Exception as e:  # noqa: BLE001 - best effort: prefill's own deadline covers it
-            with bound_room(room):
-                log.info("abort not delivered to prefill", prefill=prefill_addr, error=str(e))
+    async def _release_when_prefill_lets_go(self, room: int, prefill_addr: str, pages: list[int]) -> None:
+        """Abort the room on prefill, then free its quarantined pages. Prefill lets go when it
+        answers the abort (it fails the room and cancels its WRITE) or when it is gone
+        (connection refused: nothing can write any more). A prefill that does not answer
+        (frozen) keeps the pages quarantined, retried, for at most `quarantine_max` seconds."""
+        client = self.coordinator.client(prefill_addr)
+        give_up = time.monotonic() + self.quarantine_max
+        with bound_room(room):
+            while True:
+                try:
+                    await client.abort(room, "decode released the room", self.receiver.agent_name)
+                    break
+                except BootstrapCallError as e:
+                    if e.code == grpc.StatusCode.UNAVAILABLE:
+                        log.info("prefill gone: releasing quarantined pages", prefill=prefill_addr)
+                        break
+                    if time.monotonic() > give_up:
+                        log.warning("prefill never confirmed the abort: releasing quarantined pages",
+                                    prefill=prefill_addr, error=str(e))
+                        break
+                except Exception as e:  # noqa: BLE001 - e.g. a protocol mismatch: nothing more to wait for
+                    log.warning("abort to prefill failed: releasing quarantined pages", error=str(e))
+                    break
+                await asyncio.sleep(self.quarantine_retry)
+        del self.quarantined[room]
+        self.engine.pool.allocator.free(pages, owner=room)
+        self._alloc_work.set()
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -201,7 +231,7 @@ class DecodeWorker:
         if state != RoomState.SUCCESS:
             if job.pages is not None:
                 self.metrics.inc(self.metrics.num_transfer_failed_reqs)
-            self._fail(job, reason or "KV transfer failed", "UNAVAILABLE", tell_prefill=False)
+            self._fail(job, reason or "KV transfer failed", "UNAVAILABLE")
             return
         job.running = True
         self._emit(job, row.token, row.logprob)
@@ -247,6 +277,7 @@ class DecodeWorker:
                 except OutOfPages:
                     break  # FIFO: the head waits for pages (bounded by --prealloc-timeout)
                 job.attaching = True
+                job.attach_sent = True
                 self._spawn(self._attach(job))
 
     async def _attach(self, job: Job) -> None:
@@ -261,7 +292,7 @@ class DecodeWorker:
         if not ok:
             r = self.receiver.rooms.get(job.room)
             self.metrics.inc(self.metrics.num_bootstrap_failed_reqs)
-            self._fail(job, (r.reason if r else None) or "attach failed", "UNAVAILABLE", tell_prefill=False)
+            self._fail(job, (r.reason if r else None) or "attach failed", "UNAVAILABLE")
             return
         if self.faults.sigstop_after_attach and not self._froze_once:
             self._froze_once = True
@@ -290,7 +321,7 @@ class DecodeWorker:
                 try:
                     job.pages += pool.allocator.alloc(1, owner=job.room)
                 except OutOfPages:
-                    self._fail(job, "out of KV pages while decoding", "RESOURCE_EXHAUSTED", tell_prefill=False)
+                    self._fail(job, "out of KV pages while decoding", "RESOURCE_EXHAUSTED")
                     continue
             batch.append(job)
         return batch
@@ -313,7 +344,7 @@ class DecodeWorker:
             log.exception("decode step failed", rooms=[j.room for j in batch])
             for j in batch:
                 j.in_forward = False
-                self._fail(j, f"decode step failed: {type(e).__name__}: {e}", "INTERNAL", tell_prefill=False)
+                self._fail(j, f"decode step failed: {type(e).__name__}: {e}", "INTERNAL")
             return
         for job, tok, lp in zip(batch, tokens, logprobs, strict=True):
             job.in_forward = False

@@ -49,6 +49,7 @@ async def serve(argv=None) -> None:
         engine.pool,
         pending_attach_ttl=args.bootstrap_timeout,
         stall_before_post=math.inf if faults.stall_transfer else 0.0,
+        drop_notification=faults.drop_notification,
     )
     if faults.fail_attach:
         _apply_attach_fault(sender)

@@ -107,6 +107,7 @@ class KVSender:
         max_desc_bytes: int | None = None,
         pending_attach_ttl: float = 300.0,
         stall_before_post: float = 0.0,
+        drop_notification: bool = False,
         tombstones: int = 65536,
     ):
         """agent: NixlAgent of this process; pool: KVPool (uses .aux and .aux_allocator).
@@ -122,6 +123,10 @@ class KVSender:
         self.max_desc_bytes = max_desc_bytes
         self.pending_attach_ttl = pending_attach_ttl
         self.stall_before_post = stall_before_post
+        # TEST-ONLY fault knob: WRITEs carry no notification, so decode never learns the KV arrived
+        self.drop_notification = drop_notification
+        if drop_notification:
+            log.warning("FAULT INJECTION ON: KV sender drops every notification")
         if stall_before_post:
             log.warning("FAULT INJECTION ON: KV sender stalls %.3f s before every post", stall_before_post)
         self.rooms: RoomTable[SenderRoom] = RoomTable(clock, tombstones)
@@ -299,7 +304,7 @@ class KVSender:
             self.max_desc_bytes,
         )
         aux = Desc(lay.aux_addr(slot), peer.layout.aux_addr(a.dst_aux_slot), lay.aux_row_nbytes)
-        notif = KVNotification(room, self.epoch, a.epoch).encode()
+        notif = b"" if self.drop_notification else KVNotification(room, self.epoch, a.epoch).encode()
         kv_kind, dev = lay.kv_memory_kind, lay.kv_device_id
         if kv_kind == MemoryKind.DRAM and peer.layout.kv_memory_kind == MemoryKind.DRAM:
             # one WRITE; its notification is delivered after all of its bytes landed

@@ -64,7 +64,7 @@ def test_concurrent_mixed_lengths_match_single_process(plain, reference_model):
     assert len(prompts) == 20 and sum(n > CHUNK for n in lengths) >= 5
 
     async def all_requests():
-        return await asyncio.gather(*(generate(p.grpc_addr, d.grpc_addr, pr, pa) for pr, pa in zip(prompts, params)))
+        return await asyncio.gather(*(generate(p.grpc_addr, d.grpc_addr, pr, pa) for pr, pa in zip(prompts, params, strict=False)))
 
     outs = asyncio.run(all_requests())
     refs = _reference(reference_model, prompts, params)

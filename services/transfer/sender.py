@@ -108,6 +108,7 @@ class KVSender:
         pending_attach_ttl: float = 300.0,
         stall_before_post: float = 0.0,
         drop_notification: bool = False,
+        refuse_attach: bool = False,
         tombstones: int = 65536,
     ):
         """agent: NixlAgent of this process; pool: KVPool (uses .aux and .aux_allocator).
@@ -125,6 +126,10 @@ class KVSender:
         self.stall_before_post = stall_before_post
         # TEST-ONLY fault knob: WRITEs carry no notification, so decode never learns the KV arrived
         self.drop_notification = drop_notification
+        # TEST-ONLY fault knob: every Attach is refused
+        self.refuse_attach = refuse_attach
+        if refuse_attach:
+            log.warning("FAULT INJECTION ON: KV sender refuses every attach")
         if drop_notification:
             log.warning("FAULT INJECTION ON: KV sender drops every notification")
         if stall_before_post:
@@ -224,6 +229,8 @@ class KVSender:
 
     def attach(self, room: int, agent_name: str, epoch: int, dst_pages: list[int], dst_aux_slot: int) -> None:
         """decode's Attach. Raises BootstrapRejected."""
+        if self.refuse_attach:
+            raise _reject("fault", "UNAVAILABLE", "fault injection: fail_attach")
         peer = self._peers.get(agent_name)
         if peer is None or peer.epoch != epoch:
             raise _reject(

@@ -46,3 +46,16 @@ def validate_prompt(token_ids: list[int], params: SamplingParams, vocab_size: in
             f"model's context length {max_positions}"
         )
     return None
+
+
+def parse_request(pb_params: wpb.SamplingParams, token_ids: list[int], config) -> SamplingParams:
+    """Sampling params of a worker request, checked against the model (`config`: ModelConfig).
+    Raises ValueError with a message for INVALID_ARGUMENT."""
+    try:
+        params = params_from_pb(pb_params)
+    except ValueError as e:
+        raise ValueError(f"invalid sampling params: {e}") from None
+    why = validate_prompt(token_ids, params, config.vocab_size, config.max_position_embeddings)
+    if why:
+        raise ValueError(why)
+    return params

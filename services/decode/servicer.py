@@ -7,7 +7,7 @@ import grpc
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.logging_setup import bound_room, get_logger
-from services.common.wire import params_from_pb, validate_prompt
+from services.common.wire import parse_request
 from services.decode.worker import DecodeFailed, DecodeWorker
 from services.transfer.state import DuplicateRoom
 
@@ -21,17 +21,13 @@ class DecodeServicer(wpb_grpc.DecodeServicer):
     async def Decode(self, request, context):
         room = request.room
         with bound_room(room):
-            try:
-                params = params_from_pb(request.params)
-            except ValueError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid sampling params: {e}")
             ids = list(request.token_ids)
-            cfg = self.worker.engine.config
-            why = validate_prompt(ids, params, cfg.vocab_size, cfg.max_position_embeddings)
-            if why is None and not request.prefill_addr:
-                why = "prefill_addr is required"
-            if why:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+            try:
+                params = parse_request(request.params, ids, self.worker.engine.config)
+                if not request.prefill_addr:
+                    raise ValueError("prefill_addr is required")
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             try:
                 job = self.worker.submit(room, ids, params, request.prefill_addr)
             except DuplicateRoom as e:

@@ -9,7 +9,7 @@ import grpc
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.logging_setup import bound_room, get_logger
-from services.common.wire import params_from_pb, validate_prompt
+from services.common.wire import parse_request
 from services.prefill.worker import PrefillWorker, RoomFailed
 from services.transfer.state import DuplicateRoom
 
@@ -23,17 +23,14 @@ class PrefillServicer(wpb_grpc.PrefillServicer):
     async def Prefill(self, request, context):
         room = request.room
         with bound_room(room):
-            try:
-                params = params_from_pb(request.params)
-            except ValueError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid sampling params: {e}")
-            cfg = self.worker.engine.config
             ids = list(request.token_ids)
-            why = validate_prompt(ids, params, cfg.vocab_size, cfg.max_position_embeddings)
-            if why is None and self.worker.engine.pool.pages_for_tokens(len(ids)) > self.worker.engine.pool.num_pages:
-                why = f"prompt of {len(ids)} tokens needs more KV pages than this worker has"
-            if why:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+            pool = self.worker.engine.pool
+            try:
+                params = parse_request(request.params, ids, self.worker.engine.config)
+                if pool.pages_for_tokens(len(ids)) > pool.num_pages:
+                    raise ValueError(f"prompt of {len(ids)} tokens needs more KV pages than this worker has")
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             try:
                 job = self.worker.submit(room, ids, params)
             except DuplicateRoom as e:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import grpc
@@ -14,7 +13,7 @@ from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.grpc_server import channel
 from services.common.wire import params_to_pb
 from services.engine.sampling_params import SamplingParams
-from tests.integration.mesh import wait_for
+from tests.integration.mesh import in_background, wait_for
 from tests.integration.worker_client import generate, new_room
 
 pytestmark = pytest.mark.integration
@@ -22,12 +21,6 @@ pytestmark = pytest.mark.integration
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 BOOTSTRAP_TIMEOUT, INFLIGHT_TIMEOUT = 3.0, 30.0
 
-
-def _background(fn):
-    box = {}
-    t = threading.Thread(target=lambda: box.setdefault("out", fn()), daemon=True)
-    t.start()
-    return t, box
 
 
 async def _prefill_only(addr: str, room: int):
@@ -51,9 +44,9 @@ def test_decode_killed_then_restarted(mesh):
     mesh.wait_healthy(d)
 
     # a room in bootstrap: its decode never attaches (it is about to die)
-    tb, bootstrap_box = _background(lambda: asyncio.run(_prefill_only(p.grpc_addr, new_room())))
+    tb, bootstrap_box = in_background(lambda: asyncio.run(_prefill_only(p.grpc_addr, new_room())))
     # a room in inflight: decode attached, froze, prefill's WRITE sits in progress
-    ti, inflight_box = _background(
+    ti, inflight_box = in_background(
         lambda: asyncio.run(
             generate(p.grpc_addr, d.grpc_addr, list(range(20, 70)), PARAMS, timeout=60, cancel_on_failure=False)
         )

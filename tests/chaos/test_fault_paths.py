@@ -4,7 +4,6 @@ attach, and the late-write quarantine on decode while prefill is frozen."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import grpc
@@ -22,12 +21,6 @@ pytestmark = pytest.mark.integration
 
 PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
-
-def _background(fn):
-    box = {}
-    t = threading.Thread(target=lambda: box.setdefault("out", fn()), daemon=True)
-    t.start()
-    return t, box
 
 
 def test_lost_notification_hits_decodes_transfer_deadline(mesh):

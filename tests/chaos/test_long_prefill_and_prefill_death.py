@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import threading
 import time
 
 import grpc
@@ -18,7 +17,7 @@ from services.engine.kv_pool import KVPool
 from services.engine.loader import load_model
 from services.engine.local_generate import generate as local_generate
 from services.engine.sampling_params import SamplingParams
-from tests.integration.mesh import wait_for
+from tests.integration.mesh import in_background, wait_for
 from tests.integration.worker_client import generate
 
 pytestmark = pytest.mark.integration
@@ -28,12 +27,6 @@ SHORT = 1.0  # inflight and transfer timeouts, both well below the forward time
 HB_INTERVAL, HB_FAILURES, WD_INTERVAL = 0.5, 3, 0.25
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
-
-def _background(fn):
-    box = {}
-    t = threading.Thread(target=lambda: box.setdefault("out", fn()), daemon=True)
-    t.start()
-    return t, box
 
 
 def _grpc_health_latency(addr: str) -> float:
@@ -63,7 +56,7 @@ def test_long_prefill_succeeds_and_dead_prefill_fails_by_heartbeat(mesh):
     prompt = list(range(30, 130))
 
     # 1. a forward longer than both timeouts succeeds, with the single-process tokens
-    t, box = _background(lambda: asyncio.run(generate(slow.grpc_addr, d.grpc_addr, prompt, PARAMS, timeout=60)))
+    t, box = in_background(lambda: asyncio.run(generate(slow.grpc_addr, d.grpc_addr, prompt, PARAMS, timeout=60)))
     wait_for(lambda: slow.metrics()["pdmesh:num_running_reqs"] == 1, 20, "the slow forward to start")
     # 2. meanwhile the loop answers /metrics and gRPC health promptly
     metrics_lat, health_lat = [], []
@@ -88,7 +81,7 @@ def test_long_prefill_succeeds_and_dead_prefill_fails_by_heartbeat(mesh):
 
     # 3. the slow prefill dies mid-forward: decode fails the room by heartbeat, not by a clock
     #    (the client does not cancel Decode when Prefill fails: decode must end it by itself)
-    t, box = _background(
+    t, box = in_background(
         lambda: asyncio.run(
             generate(slow.grpc_addr, d.grpc_addr, prompt, PARAMS, timeout=60, cancel_on_failure=False)
         )

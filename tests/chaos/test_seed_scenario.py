@@ -6,27 +6,19 @@ pdmesh's watchdog must evict it on an idle worker within inflight_timeout + inte
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import grpc
 import pytest
 
 from services.engine.sampling_params import SamplingParams
-from tests.integration.mesh import wait_for
+from tests.integration.mesh import in_background, wait_for
 from tests.integration.worker_client import generate
 
 pytestmark = pytest.mark.integration
 
 INFLIGHT_TIMEOUT, INTERVAL = 2.0, 0.5
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-
-
-def _in_background(coro_fn):
-    box = {}
-    t = threading.Thread(target=lambda: box.setdefault("out", asyncio.run(coro_fn())), daemon=True)
-    t.start()
-    return t, box
 
 
 def test_frozen_decode_is_evicted_on_an_idle_prefill(mesh):
@@ -37,7 +29,9 @@ def test_frozen_decode_is_evicted_on_an_idle_prefill(mesh):
     mesh.wait_healthy(p)
     mesh.wait_healthy(d)
 
-    thread, box = _in_background(lambda: generate(p.grpc_addr, d.grpc_addr, list(range(10, 60)), PARAMS, timeout=60))
+    thread, box = in_background(
+        lambda: asyncio.run(generate(p.grpc_addr, d.grpc_addr, list(range(10, 60)), PARAMS, timeout=60))
+    )
     wait_for(lambda: p.metrics()["pdmesh:num_prefill_inflight_queue_reqs"] == 1, 30, "the room to reach inflight")
     seen_inflight = time.monotonic()
     # no further request is sent: only the watchdog's timer can end this

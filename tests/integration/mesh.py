@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,6 +56,14 @@ def wait_for(cond: Callable[[], object], timeout: float, what: str, poll: float 
             last_exc = e
         time.sleep(poll)
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last error: {last_exc!r})")
+
+
+def in_background(fn: Callable[[], object]) -> tuple[threading.Thread, dict]:
+    """Run fn() on a thread; its result lands in box["out"] (the test waits on the thread)."""
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.setdefault("out", fn()), daemon=True)
+    thread.start()
+    return thread, box
 
 
 @dataclass

@@ -123,6 +123,11 @@ class DecodeWorker:
     def count_states(self, *states: RoomState) -> int:
         return sum(1 for j in self.jobs.values() if not j.running and self._state(j) in states)
 
+    def load(self) -> tuple[int, int]:
+        """(queued, running): rooms waiting for pages or KV; requests in the decode batch."""
+        running = sum(1 for j in self.jobs.values() if j.running)
+        return len(self.jobs) - running, running
+
     # --- requests --------------------------------------------------------------------------
     def submit(self, room: int, token_ids: list[int], params: SamplingParams, prefill_addr: str) -> Job:
         """Register a Decode RPC's room (raises DuplicateRoom); it enters the prealloc queue."""

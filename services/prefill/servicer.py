@@ -61,3 +61,7 @@ class PrefillServicer(wpb_grpc.PrefillServicer):
             found = self.worker.abort(request.room, f"aborted: {request.reason or 'no reason given'}")
             log.info("abort", found=found, reason=request.reason)
             return wpb.AbortRoomReply(found=found)
+
+    async def Load(self, request, context):
+        queued, running = self.worker.load()
+        return wpb.LoadReply(queued=queued, running=running, token_usage=self.worker.engine.pool.token_usage)

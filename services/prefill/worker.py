@@ -101,6 +101,12 @@ class PrefillWorker:
         r = self.sender.rooms.get(job.room)
         return r.state if r is not None else None
 
+    def load(self) -> tuple[int, int]:
+        """(queued, running): bootstrap + waiting rooms; rooms in a forward or inflight."""
+        in_forward = sum(1 for j in self.jobs.values() if j.in_forward)
+        queued = self.count_state(RoomState.BOOTSTRAPPING) + self.count_state(RoomState.WAITING_FOR_INPUT) - in_forward
+        return queued, in_forward + self.count_state(RoomState.TRANSFERRING)
+
     def _waiting(self) -> list[Job]:
         return [j for j in self.jobs.values() if self._state(j) == RoomState.WAITING_FOR_INPUT and not j.finished]
 

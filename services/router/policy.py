@@ -1,9 +1,8 @@
 """Worker selection policies, pure logic: given the healthy candidates and their load, pick one.
 
-The load of a worker is the number of requests this router has in flight on it (an RPC
-issued and not yet finished). The router sees every request it sends, so for a single
-router this count is exact and current, with no scrape interval and no HTTP port to know;
-with several routers each balances its own share. See docs/router.md.
+The load of a worker (services/router/pool.py `load_of`) is the number of requests this
+router has in flight on it — exact and current — plus the queue depth the worker reported on
+its last `Load` RPC that is not ours (other routers, other clients). See docs/router.md.
 
 One policy object per role (prefill, decode), so round-robin keeps a cursor per role.
 """

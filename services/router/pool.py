@@ -7,6 +7,10 @@
 - A request that fails on a worker with UNAVAILABLE asks for an immediate probe; if that probe
   fails too, the worker is ejected at once instead of after the threshold (a killed worker
   leaves the rotation within one probe, not `threshold * interval`).
+- After each good probe the worker's `Load` RPC reports its queue depths. A worker's load for
+  the policies is this router's own in-flight count on it (exact and current) plus the part of
+  the reported depth that is not ours: requests from other routers or clients, as of the last
+  probe.
 - When a request finds no healthy worker of a role, the ejected ones are probed once on the
   spot (bounded by `timeout`) before the router answers 503, so a worker that just came back
   (restarted, or SIGCONT after a freeze) serves the very next request.
@@ -24,6 +28,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.logging_setup import get_logger
 from services.common.metrics import Metrics
@@ -50,6 +55,7 @@ class Worker:
     healthy: bool = False
     failures: int = 0  # failed probes in a row
     inflight: int = 0  # RPCs of this router in flight on the worker
+    external_load: int = 0  # queued + running on the worker that are not ours (last Load report)
     last_error: str = ""
     last_change: float = field(default_factory=time.time)
     channel: grpc.aio.Channel | None = None
@@ -58,6 +64,11 @@ class Worker:
 
     def __repr__(self) -> str:
         return f"{self.role}:{self.addr}"
+
+
+def load_of(w: Worker) -> int:
+    """What the policies compare: our requests on the worker plus everyone else's."""
+    return w.inflight + w.external_load
 
 
 class WorkerPool:
@@ -143,6 +154,7 @@ class WorkerPool:
             ok, error = False, repr(e)
         if ok:
             w.failures = 0
+            await self._read_load(w)
             if not w.healthy:
                 self._mark(w, True, "health probe succeeded")
         else:
@@ -151,6 +163,13 @@ class WorkerPool:
             if w.healthy and w.failures >= self.failure_threshold:
                 self._mark(w, False, error)
         return ok
+
+    async def _read_load(self, w: Worker) -> None:
+        try:
+            reply = await w.stub.Load(wpb.LoadRequest(), timeout=self.timeout)
+        except grpc.aio.AioRpcError:
+            return  # keep the last report; load is advisory, health decides admission
+        w.external_load = max(0, reply.queued + reply.running - w.inflight)
 
     def _mark(self, w: Worker, healthy: bool, why: str) -> None:
         w.healthy = healthy
@@ -206,11 +225,16 @@ class WorkerPool:
     def _choose(self, role: str, group: list[Worker], excluded: set[Worker]) -> Worker:
         healthy = [w for w in group if w.healthy]
         candidates = [w for w in healthy if w not in excluded] or healthy
-        return self._policies[role].choose(candidates, lambda w: w.inflight)
+        return self._policies[role].choose(candidates, load_of)
 
     def status(self) -> dict:
         def one(w: Worker) -> dict:
-            return {"healthy": w.healthy, "inflight": w.inflight, "last_error": w.last_error or None}
+            return {
+                "healthy": w.healthy,
+                "inflight": w.inflight,
+                "external_load": w.external_load,
+                "last_error": w.last_error or None,
+            }
 
         return {
             "prefill": {w.addr: one(w) for w in self.prefills},

@@ -82,7 +82,3 @@ class KVPool:
         """Read k/v at index tensors of any shape S -> ``[*S, kv_heads, head_dim]``."""
         layer_kv = self.kv[:, layer]
         return layer_kv[page_idx, 0, off_idx], layer_kv[page_idx, 1, off_idx]
-
-    def page_bytes_view(self, page: int) -> torch.Tensor:
-        """One page as raw bytes (for bit-exact comparisons in tests)."""
-        return self.kv[page].contiguous().view(torch.uint8).flatten()

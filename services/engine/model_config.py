@@ -33,10 +33,6 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     name: str = "model"
 
-    @property
-    def kv_heads_per_layer_elems(self) -> int:
-        return self.num_key_value_heads * self.head_dim
-
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], name: str = "model", source: str = "config.json") -> ModelConfig:
         archs = cfg.get("architectures") or []

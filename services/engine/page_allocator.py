@@ -35,9 +35,6 @@ class PageAllocator:
     def num_used(self) -> int:
         return len(self._owner_of)
 
-    def can_alloc(self, n: int) -> bool:
-        return 0 <= n <= self.num_free
-
     def alloc(self, n: int, owner: Hashable) -> list[int]:
         """Take n pages for owner (a room id); raises OutOfPages without side effects."""
         if n < 0:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -32,7 +31,6 @@ class WorkerEngine:
         self.runner = ModelRunner(self.loaded.model, self.pool)
         self.sampler = Sampler()
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self.busy_since: float | None = None
 
     @property
     def model_name(self) -> str:
@@ -40,12 +38,7 @@ class WorkerEngine:
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run fn on the engine thread; the event loop keeps serving meanwhile."""
-        loop = asyncio.get_running_loop()
-        self.busy_since = time.monotonic()
-        try:
-            return await loop.run_in_executor(self._executor, fn, *args)
-        finally:
-            self.busy_since = None
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def pool_health(self) -> dict[str, Any]:
         alloc = self.pool.allocator

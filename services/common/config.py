@@ -91,6 +91,8 @@ ROUTER_FLAGS = [
     Flag("health-check-interval", float, 1.0, "seconds between gRPC health probes of each worker"),
     Flag("health-check-timeout", float, 1.0, "seconds one gRPC health probe may take"),
     Flag("health-failure-threshold", int, 2, "failed probes in a row that eject a worker (one success re-admits)"),
+    Flag("dns-refresh-interval", float, 5.0,
+         "seconds between re-resolving worker names (a headless Service name stands for all its pods)"),
     Flag("log-level", str, "info", "debug, info, warning or error"),
 ]
 

@@ -76,6 +76,7 @@ class RouterSettings:
     health_check_interval: float = 1.0
     health_check_timeout: float = 1.0
     health_failure_threshold: int = 2
+    dns_refresh_interval: float = 5.0
     log_level: str = "info"
 
     @classmethod
@@ -127,6 +128,7 @@ class Router:
             interval=settings.health_check_interval,
             timeout=settings.health_check_timeout,
             failure_threshold=settings.health_failure_threshold,
+            dns_refresh_interval=settings.dns_refresh_interval,
         )
         self.orchestrator = Orchestrator(self.pool, self.tokenizer.eos_token_ids)
         self.active = 0  # admitted generation requests not yet finished

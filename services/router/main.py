@@ -9,6 +9,7 @@ import uvicorn
 from services.common.config import ROUTER_FLAGS, parse_args
 from services.common.logging_setup import configure_logging, get_logger
 from services.router.app import RouterSettings, create_app
+from services.router.discovery import split_host_port
 
 DESCRIPTION = (
     "pdmesh router: the OpenAI-compatible HTTP API in front of prefill and decode workers "
@@ -25,6 +26,12 @@ def main(argv=None) -> None:
         sys.exit(2)
     if args.request_timeout <= 0 or args.max_concurrent_requests < 1 or args.max_body_bytes < 1:
         log.error("--request-timeout, --max-concurrent-requests and --max-body-bytes must be positive")
+        sys.exit(2)
+    try:
+        for spec in (*args.prefill, *args.decode):
+            split_host_port(spec)
+    except ValueError as e:
+        log.error(str(e))
         sys.exit(2)
     settings = RouterSettings.from_args(args)
     app = create_app(settings)

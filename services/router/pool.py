@@ -11,6 +11,11 @@
   the policies is this router's own in-flight count on it (exact and current) plus the part of
   the reported depth that is not ours: requests from other routers or clients, as of the last
   probe.
+- Addresses come from services/router/discovery.py: a name (e.g. a Kubernetes headless
+  Service) stands for every address it resolves to, re-resolved every `dns_refresh_interval`;
+  new addresses join (after their first good probe), vanished ones leave the rotation and their
+  channel closes once no request of ours runs on it. A name that fails to resolve keeps the
+  workers it had.
 - When a request finds no healthy worker of a role, the ejected ones are probed once on the
   spot (bounded by `timeout`) before the router answers 503, so a worker that just came back
   (restarted, or SIGCONT after a freeze) serves the very next request.
@@ -32,6 +37,7 @@ from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.logging_setup import get_logger
 from services.common.metrics import Metrics
+from services.router.discovery import Resolver, resolve_specs, split_host_port, system_resolver
 from services.router.errors import no_healthy_workers
 from services.router.policy import make_policy
 
@@ -51,7 +57,8 @@ CHANNEL_OPTIONS = [
 @dataclass(eq=False)
 class Worker:
     role: str  # "prefill" | "decode"
-    addr: str
+    addr: str  # resolved host:port (what decode is told to attach to)
+    spec: str = ""  # the --prefill/--decode value it came from
     healthy: bool = False
     failures: int = 0  # failed probes in a row
     inflight: int = 0  # RPCs of this router in flight on the worker
@@ -81,9 +88,17 @@ class WorkerPool:
         interval: float = 1.0,
         timeout: float = 1.0,
         failure_threshold: int = 2,
+        dns_refresh_interval: float = 5.0,
+        resolver: Resolver = system_resolver,
     ):
-        self.prefills = [Worker("prefill", a) for a in dict.fromkeys(prefill_addrs)]
-        self.decodes = [Worker("decode", a) for a in dict.fromkeys(decode_addrs)]
+        self.specs = {"prefill": list(dict.fromkeys(prefill_addrs)), "decode": list(dict.fromkeys(decode_addrs))}
+        for spec in (*self.specs["prefill"], *self.specs["decode"]):
+            split_host_port(spec)  # a malformed address fails at start, not at the first request
+        self.prefills: list[Worker] = []
+        self.decodes: list[Worker] = []
+        self._retired: list[Worker] = []  # left the rotation; channel closes when idle
+        self.dns_refresh_interval = dns_refresh_interval
+        self._resolver = resolver
         self._policies = {"prefill": make_policy(policy), "decode": make_policy(policy)}
         self.metrics = metrics
         self.interval = interval
@@ -100,13 +115,43 @@ class WorkerPool:
     # --- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        for w in self.workers:
-            w.channel = grpc.aio.insecure_channel(w.addr, options=CHANNEL_OPTIONS)
-            w.stub = (wpb_grpc.PrefillStub if w.role == "prefill" else wpb_grpc.DecodeStub)(w.channel)
-            w.health = health_pb2_grpc.HealthStub(w.channel)
-            self._set_gauge(w)
+        await self.refresh_addresses()
         await self.probe_all()
         self._task = asyncio.create_task(self._loop(), name="router-health")
+
+    def _connect(self, w: Worker) -> Worker:
+        w.channel = grpc.aio.insecure_channel(w.addr, options=CHANNEL_OPTIONS)
+        w.stub = (wpb_grpc.PrefillStub if w.role == "prefill" else wpb_grpc.DecodeStub)(w.channel)
+        w.health = health_pb2_grpc.HealthStub(w.channel)
+        self._set_gauge(w)
+        return w
+
+    async def refresh_addresses(self) -> None:
+        """Resolve the specs again; add new addresses, retire vanished ones."""
+        for role, group in (("prefill", self.prefills), ("decode", self.decodes)):
+            found, failed = await resolve_specs(self.specs[role], self._resolver)
+            if failed:
+                log.warning("worker address does not resolve; keeping its known workers", role=role, specs=failed)
+            current = {w.addr: w for w in group}
+            keep = [current.get(addr) or self._connect(Worker(role, addr, spec=spec)) for addr, spec in found]
+            keep += [w for w in group if w.spec in failed and w not in keep]
+            for w in group:
+                if w not in keep:
+                    log.info("worker left the pool (its address no longer resolves)", role=role, target=w.addr)
+                    self._retire(w)
+            for w in keep:
+                if w.addr not in current:
+                    log.info("worker joined the pool", role=role, target=w.addr, spec=w.spec)
+            group[:] = keep
+        for w in [w for w in self._retired if w.inflight == 0]:
+            self._retired.remove(w)
+            await w.channel.close(grace=None)
+
+    def _retire(self, w: Worker) -> None:
+        w.healthy = False
+        self._retired.append(w)
+        if self.metrics is not None:
+            self.metrics.worker_healthy.remove(*self.metrics.labels.values(), w.addr)
 
     async def close(self) -> None:
         tasks = [t for t in (self._task, *self._probing.values(), *self._background) if t is not None]
@@ -115,14 +160,18 @@ class WorkerPool:
         for t in tasks:
             with contextlib.suppress(BaseException):
                 await t
-        for w in self.workers:
+        for w in [*self.workers, *self._retired]:
             if w.channel is not None:
                 await w.channel.close(grace=None)
 
     async def _loop(self) -> None:
+        next_resolve = time.monotonic() + self.dns_refresh_interval
         while True:
             await asyncio.sleep(self.interval)
             try:
+                if time.monotonic() >= next_resolve:
+                    next_resolve = time.monotonic() + self.dns_refresh_interval
+                    await self.refresh_addresses()
                 await self.probe_all()
             except Exception as e:  # noqa: BLE001 - the health loop must never die
                 log.error("health loop error", error=repr(e))

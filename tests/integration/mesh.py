@@ -52,6 +52,8 @@ def wait_for(cond: Callable[[], object], timeout: float, what: str, poll: float 
             value = cond()
             if value:
                 return value
+        except AssertionError:
+            raise  # the condition itself decided the wait is hopeless (e.g. the process died)
         except Exception as e:  # noqa: BLE001 - the condition may fail until the service is up
             last_exc = e
         time.sleep(poll)
@@ -167,13 +169,16 @@ class Mesh:
             self.wait_healthy(new)
         return new
 
-    def start_router(self, prefills: list[Proc], decodes: list[Proc], *extra: str, env: dict | None = None) -> Proc:
+    def start_router(
+        self, prefills: list[Proc | str], decodes: list[Proc | str], *extra: str, env: dict | None = None
+    ) -> Proc:
+        """Workers as processes (their gRPC address) or as address specs (e.g. a host name)."""
         port = free_port()
         args = ["--port", str(port)]
         for p in prefills:
-            args += ["--prefill", p.grpc_addr]
+            args += ["--prefill", p if isinstance(p, str) else p.grpc_addr]
         for d in decodes:
-            args += ["--decode", d.grpc_addr]
+            args += ["--decode", d if isinstance(d, str) else d.grpc_addr]
         proc = self._spawn("router", [*args, *extra], port, None, env)
         self.wait_healthy(proc)
         return proc

@@ -10,14 +10,30 @@ import structlog
 
 
 def configure_logging(level: str = "info", **static) -> None:
-    """JSON lines on stderr. `static` (service, worker) is added to every line."""
+    """JSON lines on stderr, from structlog and from stdlib loggers alike (the transfer layer,
+    NIXL's Python API, uvicorn), all carrying the bound room. `static` (service, worker) is
+    added to every line."""
     numeric = getattr(logging, level.upper(), logging.INFO)
-    logging.basicConfig(level=numeric, stream=sys.stderr, format="%(message)s")
+    timestamper = structlog.processors.TimeStamper(fmt="iso", utc=True)
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[
+            structlog.contextvars.merge_contextvars,
+            structlog.stdlib.add_log_level,
+            structlog.stdlib.add_logger_name,
+            timestamper,
+        ],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, structlog.processors.JSONRenderer()],
+    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(numeric)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            timestamper,
             structlog.processors.format_exc_info,
             structlog.processors.JSONRenderer(),
         ],

@@ -1,3 +1,8 @@
-from services.router.main import main
+import os
+
+# gRPC's C core logs to stderr in its own format; keep it to errors (our logs are JSON).
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+from services.router.main import main  # noqa: E402
 
 main()

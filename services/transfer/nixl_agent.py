@@ -126,6 +126,7 @@ class NixlAgent:
         )
         self._peers: set[str] = set()
         self._live: set[Xfer] = set()
+        self._unclaimed: dict[str, list[bytes]] = {}  # notifications fetched by progress()
         self._zombies: list[Xfer] = []  # release refused (still active); retried on later polls
         self.closed = False
         log.info(
@@ -240,12 +241,20 @@ class NixlAgent:
     # --- notifications --------------------------------------------------------------------
     def get_notifs(self) -> dict[str, list[bytes]]:
         """New notifications by sending agent name. Also drives UCX progress."""
+        self.progress()
+        got, self._unclaimed = self._unclaimed, {}
+        return got
+
+    def progress(self) -> None:
+        """Drive UCX progress (e.g. to flush a standalone notification). Notifications that
+        arrive meanwhile are kept for the next get_notifs()."""
         try:
             got = self._agent.get_new_notifs()
         except Exception as e:
             log.warning("get_new_notifs failed: %s", e)
-            return {}
-        return {(k.decode() if isinstance(k, bytes) else k): v for k, v in got.items()}
+            return
+        for k, v in got.items():
+            self._unclaimed.setdefault(k.decode() if isinstance(k, bytes) else k, []).extend(v)
 
     def send_notif(self, peer: str, msg: bytes) -> bool:
         """Best-effort standalone notification."""

@@ -133,6 +133,32 @@ class KVNotification:
         return cls(room, s_epoch, r_epoch)
 
 
+@dataclass(frozen=True)
+class AbortNotification:
+    """Prefill gave up a room decode attached to (eviction, abort): sent best-effort with NIXL's
+    notification channel so decode fails the room at once instead of at its next heartbeat."""
+
+    room: int
+    sender_epoch: int
+    reason: str
+
+    def encode(self) -> bytes:
+        return b"%s:%d:%d:%s" % (_ABORT_PREFIX, self.room, self.sender_epoch, self.reason.encode()[:200])
+
+    @classmethod
+    def decode(cls, msg: bytes) -> AbortNotification | None:
+        parts = msg.split(b":", 3)
+        if len(parts) != 4 or parts[0] != _ABORT_PREFIX:
+            return None
+        try:
+            return cls(int(parts[1]), int(parts[2]), parts[3].decode(errors="replace"))
+        except ValueError:
+            return None
+
+
+_ABORT_PREFIX = b"pdmesh-abort"
+
+
 # --- aux row -----------------------------------------------------------------------------
 
 

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.transfer.protocol import AUX_WORDS, AuxRow, KVNotification, verify_aux
+from services.transfer.protocol import AUX_WORDS, AbortNotification, AuxRow, KVNotification, verify_aux
 from services.transfer.state import Clock, Room, RoomState, RoomTable
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,10 @@ class KVReceiver:
         to complete). Returns how many rooms still wait for KV."""
         for sender, msgs in self.agent.get_notifs().items():
             for msg in msgs:
+                abort = AbortNotification.decode(msg)
+                if abort is not None:
+                    self._on_abort(sender, abort)
+                    continue
                 n = KVNotification.decode(msg)
                 if n is None:
                     self.stats["foreign_notifs"] += 1
@@ -155,6 +159,14 @@ class KVReceiver:
             for r in self.rooms
             if r.state in _WAITING or (r.state == RoomState.BOOTSTRAPPING and r.early is not None)
         )
+
+    def _on_abort(self, sender: str, a: AbortNotification) -> None:
+        r = self.rooms.get(a.room)
+        # only the prefill generation this room attached to may abort it
+        if r is None or r.state.terminal or r.sender_agent != sender or r.sender_epoch != a.sender_epoch:
+            self.stats["dropped_notifs"] += 1
+            return
+        self._fail(r, f"prefill gave up the room: {a.reason}")
 
     def _on_notif(self, r: ReceiverRoom, sender: str, n: KVNotification) -> None:
         if r.state.terminal:

@@ -28,6 +28,7 @@ from typing import Any
 from services.transfer.descriptors import Desc, page_descs
 from services.transfer.protocol import (
     AUX_WORDS,
+    AbortNotification,
     AuxRow,
     KVNotification,
     MemoryKind,
@@ -38,6 +39,10 @@ from services.transfer.protocol import (
 from services.transfer.state import Clock, DuplicateRoom, Room, RoomState, RoomTable
 
 log = logging.getLogger(__name__)
+
+# How long poll() keeps driving UCX after a standalone notification, so it actually leaves
+# (a first message to a peer may need the connection set up first).
+NOTIF_FLUSH_SECONDS = 0.5
 
 
 class BootstrapRejected(TransferError):
@@ -136,6 +141,7 @@ class KVSender:
             log.warning("FAULT INJECTION ON: KV sender stalls %.3f s before every post", stall_before_post)
         self.rooms: RoomTable[SenderRoom] = RoomTable(clock, tombstones)
         self._pending: dict[int, AttachInfo] = {}
+        self._flush_until = 0.0  # poll() drives UCX progress until then (abort notifications)
         self._peers: dict[str, Peer] = {}  # by agent name
         self._by_worker: dict[str, Peer] = {}
         self.wakeup: Callable[[], None] = lambda: None  # set by the poller
@@ -201,7 +207,7 @@ class KVSender:
     def _drop_peer(self, peer: Peer, reason: str) -> None:
         for r in self.rooms:
             if r.peer == peer.agent_name:
-                self._fail(r, reason)
+                self._fail(r, reason, tell_peer=False)  # the peer is gone or replaced
         for room, a in list(self._pending.items()):
             if a.agent_name == peer.agent_name:
                 del self._pending[room]
@@ -287,7 +293,7 @@ class KVSender:
         now = self.clock()
         r.advance(RoomState.TRANSFERRING, now)
         if peer is None or peer.epoch != a.epoch:
-            self._fail(r, f"decode agent {a.agent_name} is gone")
+            self._fail(r, f"decode agent {a.agent_name} is gone", tell_peer=False)
             return True
         if len(src_pages) > len(a.dst_pages):
             self._fail(r, f"{len(src_pages)} KV pages but decode attached only {len(a.dst_pages)}")
@@ -356,7 +362,7 @@ class KVSender:
         self._finish(r)
 
     def _on_nixl_error(self, r: SenderRoom, e: NixlError) -> None:
-        self._fail(r, f"NIXL: {e}")
+        self._fail(r, f"NIXL: {e}", tell_peer=False)
         if e.disconnected:
             peer = self._peers.get(r.peer) if r.peer else None
             if peer is not None:
@@ -389,6 +395,9 @@ class KVSender:
             if r.state == RoomState.TRANSFERRING:
                 busy += 1
         self.agent.retry_releases()
+        if now < self._flush_until:
+            self.agent.progress()
+            busy += 1
         if self._pending:
             for room, a in list(self._pending.items()):
                 if now - a.at > self.pending_attach_ttl:
@@ -418,11 +427,18 @@ class KVSender:
             return False
         return self._fail(r, reason)
 
-    def _fail(self, r: SenderRoom, reason: str) -> bool:
+    def _fail(self, r: SenderRoom, reason: str, tell_peer: bool = True) -> bool:
         if not r.fail(reason, self.clock()):
             return False
         self.stats["failed"] += 1
         log.warning("kv send failed room=%d reason=%s", r.room, reason)
+        if tell_peer and r.attach is not None:
+            # best-effort: decode fails the room now rather than at its next heartbeat. With no
+            # progress thread the message moves only while someone drives UCX: poll() does, for
+            # a short window.
+            if self.agent.send_notif(r.peer, AbortNotification(r.room, self.epoch, reason).encode()):
+                self._flush_until = self.clock() + NOTIF_FLUSH_SECONDS
+                self.wakeup()
         self._finish(r)
         return True
 

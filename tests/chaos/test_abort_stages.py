@@ -86,10 +86,11 @@ def test_abort_waiting_and_mid_forward_propagate_to_the_peer(stages):
             assert _code(p_res) == grpc.StatusCode.UNAVAILABLE and "aborted by decode" in p_res.details()
             assert slow.metrics()["pdmesh:num_queue_reqs"] == 0
             assert slow.metrics()["pdmesh:num_running_reqs"] == 1  # the first is still computing
-            # mid-forward (prefill): the Prefill RPC is cancelled; decode learns it by heartbeat
+            # mid-forward (prefill): the Prefill RPC is cancelled; prefill tells decode over NIXL's
+            # notification channel, well before decode's next heartbeat would have noticed
             first.prefill.cancel()
             _, d_res = await first.outcome()
-            assert _code(d_res) == grpc.StatusCode.UNAVAILABLE and "no longer holds" in d_res.details()
+            assert _code(d_res) == grpc.StatusCode.UNAVAILABLE and "prefill gave up the room" in d_res.details()
 
     asyncio.run(scenario())
     m.assert_invariants()

@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 
 from services.engine.page_allocator import PageAllocator
-from services.transfer.protocol import AuxRow, KVNotification, MemoryKind, MemoryLayout, NixlError
+from services.transfer.protocol import (
+    AbortNotification,
+    AuxRow,
+    KVNotification,
+    MemoryKind,
+    MemoryLayout,
+    NixlError,
+)
 from services.transfer.receiver import KVReceiver
 from services.transfer.sender import BootstrapRejected, KVSender
 from services.transfer.state import DuplicateRoom, RoomState
@@ -56,6 +63,7 @@ class FakeAgent:
         self.live: set[Xfer] = set()
         self.notifs: dict[str, list[bytes]] = {}
         self.removed: list[str] = []
+        self.sent: list[tuple[str, bytes]] = []  # standalone notifications
 
     def metadata(self):
         return self.name.encode()
@@ -86,6 +94,13 @@ class FakeAgent:
 
     def retry_releases(self):
         pass
+
+    def progress(self):
+        pass
+
+    def send_notif(self, peer, msg):
+        self.sent.append((peer, msg))
+        return peer in self.peers
 
     @property
     def num_live_handles(self):
@@ -311,6 +326,20 @@ def test_watchdog_failure_releases_handle_and_aux_slot():
     s.fail(1, "inflight_timeout")
     assert agent.num_live_handles == 0 and s.pool.aux_allocator.is_whole()
     assert not s.fail(1, "again")
+    # decode is told at once (best-effort), exactly once
+    [(peer, msg)] = agent.sent
+    assert peer == "D1" and AbortNotification.decode(msg) == AbortNotification(1, s.epoch, "inflight_timeout")
+
+
+def test_no_abort_notification_to_a_peer_that_is_gone():
+    s, agent, clock, done = make_sender()
+    register(s)
+    s.create_room(1)
+    s.attach(1, "D1", 10, [0], 0)
+    s.send(1, [0], 5, -1.0)
+    agent.posted[-1].state = "ERR"  # disconnect
+    s.poll()
+    assert s.rooms.get(1).state == S.FAILED and agent.sent == []
 
 
 # --- receiver ------------------------------------------------------------------------------
@@ -369,6 +398,22 @@ def test_receiver_never_accepts_wrong_kv(kw, why):
     rx.poll()
     r = rx.rooms.get(1)
     assert r.state == S.FAILED and why in r.reason and rx.result(1) is None
+
+
+def test_abort_notification_fails_the_room_only_from_its_prefill():
+    rx, agent, clock, done = make_receiver()
+    r = rx.create_room(1, "p:1")
+    rx.prepare_attach(1, [4])
+    rx.mark_attached(1, "P", 500)
+    agent.notifs["X"] = [AbortNotification(1, 500, "not yours").encode()]  # another agent
+    agent.notifs["P"] = [AbortNotification(1, 499, "old generation").encode()]  # stale epoch
+    rx.poll()
+    assert r.state == S.WAITING_FOR_INPUT and rx.stats["dropped_notifs"] == 2
+    agent.notifs["P"] = [AbortNotification(1, 500, "watchdog: inflight").encode()]
+    rx.poll()
+    assert r.state == S.FAILED and "watchdog: inflight" in r.reason and done == [r]
+    rx.release(1)
+    assert rx.pool.aux_allocator.is_whole()
 
 
 def test_notification_before_attach_reply_is_kept():

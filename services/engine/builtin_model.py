@@ -3,6 +3,13 @@
 Weights are drawn with fan-in scaling (not the usual 0.02) so that logits are well separated:
 greedy decoding then does not sit on near-ties that float rounding could flip between a batched
 and an unbatched run.
+
+Random weights produce random bytes, most of them not printable (and invalid UTF-8). So that a
+newcomer's first request shows characters rather than U+FFFD, one hidden channel is made a
+constant: every embedding carries PRINTABLE_BIAS_INPUT in channel 0 and no layer writes to it,
+so after the final RMSNorm that channel is always positive, and the LM head's weights on it add
+a logit bonus to printable ASCII and a malus to every other token. It is still an ordinary
+Llama (the transformers comparison in bench/engine.py runs these exact weights).
 """
 
 from __future__ import annotations
@@ -17,6 +24,9 @@ from services.engine.model_config import ModelConfig
 
 BUILTIN_NAME = "pdmesh-tiny"
 BUILTIN_SEED = 20261129
+PRINTABLE_BIAS_INPUT = 8.0  # value of hidden channel 0 in every embedding
+PRINTABLE_BIAS_WEIGHT = 0.6  # LM-head weight on channel 0: + for printable ASCII, - otherwise
+PRINTABLE_IDS = (10, *range(32, 127))  # newline and ' '..'~' (byte tokens are their own ids)
 
 
 def builtin_config() -> ModelConfig:
@@ -55,4 +65,10 @@ def builtin_model() -> CausalLM:
             else:
                 fan_in = param.shape[1]
                 param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(fan_in))
+        model.model.embed_tokens.weight[:, 0] = PRINTABLE_BIAS_INPUT
+        for layer in model.model.layers:  # nothing writes into channel 0 of the residual stream
+            layer.self_attn.o_proj.weight[0, :] = 0.0
+            layer.mlp.down_proj.weight[0, :] = 0.0
+        model.lm_head.weight[:, 0] = -PRINTABLE_BIAS_WEIGHT
+        model.lm_head.weight[list(PRINTABLE_IDS), 0] = PRINTABLE_BIAS_WEIGHT
     return model.eval()

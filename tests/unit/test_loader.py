@@ -69,3 +69,20 @@ def test_cuda_device_refused_without_cuda():
         pytest.skip("this machine has CUDA")
     with pytest.raises(ValueError, match="CUDA is not available"):
         load_model(None, device="cuda:0")
+
+
+def test_builtin_model_speaks_printable_ascii():
+    from services.common.tokenizer import load_tokenizer
+    from services.engine.kv_pool import KVPool
+    from services.engine.local_generate import generate
+    from services.engine.sampling_params import SamplingParams
+
+    loaded, tok = load_model(None), load_tokenizer(None)
+    ids = tok.encode_chat([{"role": "user", "content": "Hello!"}])
+    outs = generate(
+        loaded.model, KVPool(loaded.config, 64, 16), [ids] * 3,
+        [SamplingParams(temperature=t, seed=1, max_tokens=40) for t in (0.0, 0.7, 1.0)],
+    )
+    text = "".join(tok.decode(o) for o in outs)
+    printable = sum(c.isprintable() or c == "\n" for c in text)
+    assert printable / len(text) > 0.95, text

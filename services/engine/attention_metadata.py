@@ -17,6 +17,7 @@ class PrefillSeqSpan:
     gather_page: torch.Tensor  # [ctx] page id of every context token (cached + this chunk)
     gather_off: torch.Tensor  # [ctx] offset inside the page
     mask: torch.Tensor  # [num_tokens, ctx] bool, causal relative to the chunk's start position
+    start_pos: int = 0  # tokens of this sequence cached before the chunk (0: a fresh prompt)
 
 
 @dataclass

@@ -50,17 +50,24 @@ class Attention(nn.Module):
         if meta.is_decode:
             out = self._decode_attention(q, meta, pool)
         else:
-            out = torch.cat([self._prefill_attention(q, span, pool) for span in meta.spans])
+            out = torch.cat([self._prefill_attention(q, k, v, span, pool) for span in meta.spans])
         return self.o_proj(out)
 
-    def _prefill_attention(self, q, span, pool: KVPool) -> torch.Tensor:
-        keys, values = pool.gather(self.layer_idx, span.gather_page, span.gather_off)  # [ctx, kvh, d]
-        qs = q[span.start : span.start + span.num_tokens].transpose(0, 1)  # [h, n, d]
+    def _prefill_attention(self, q, k, v, span, pool: KVPool) -> torch.Tensor:
+        rows = slice(span.start, span.start + span.num_tokens)
+        qs = q[rows].transpose(0, 1)  # [h, n, d]
+        if span.start_pos == 0:
+            # a fresh prompt: its whole context is this chunk, already at hand (no gather)
+            keys, values, mask, causal = k[rows], v[rows], None, True
+        else:
+            keys, values = pool.gather(self.layer_idx, span.gather_page, span.gather_off)  # [ctx, kvh, d]
+            mask, causal = span.mask, False
         out = F.scaled_dot_product_attention(
             qs,
             keys.to(q.dtype).transpose(0, 1),
             values.to(q.dtype).transpose(0, 1),
-            attn_mask=span.mask,
+            attn_mask=mask,
+            is_causal=causal,
             enable_gqa=True,
         )
         return out.transpose(0, 1).reshape(span.num_tokens, self.num_heads * self.head_dim)

@@ -64,7 +64,9 @@ class ModelRunner:
             # token i of the chunk (absolute position start_pos+i) may see keys 0..start_pos+i
             mask = torch.arange(ctx)[None, :] <= (item.start_pos + torch.arange(n))[:, None]
             spans.append(
-                PrefillSeqSpan(row, n, g_page.to(self.device), g_off.to(self.device), mask.to(self.device))
+                PrefillSeqSpan(
+                    row, n, g_page.to(self.device), g_off.to(self.device), mask.to(self.device), item.start_pos
+                )
             )
             row += n
             last_rows.append(row - 1)

@@ -33,6 +33,7 @@ def live(tmp_path_factory):
         m.wait_healthy(d)
         r = m.start_router([p], [d])
         yield p, d, r
+        m.assert_invariants()  # after the module's scenarios: queues empty, pools whole
     finally:
         m.close()
 
@@ -48,6 +49,9 @@ def test_dashboard_and_alert_metrics_exist_in_live_metrics(live):
         timeout=60,
     )
     assert resp.status_code == 200, resp.text
+    for proc in (p, d):  # the request left nothing behind
+        h = proc.health()
+        assert h["kv_pages_free"] == h["kv_pages_total"] and h["kv_pool_ok"]
 
     live: dict[str, set[str]] = {}
     for proc in (p, d, r):

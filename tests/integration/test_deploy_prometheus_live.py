@@ -218,5 +218,9 @@ def test_prometheus_sees_inflight_go_1_then_0_in_the_seed_scenario(mesh, prometh
     )
     assert all(state in ("pending", "firing") for state in alerts().values())
     assert ("PDMeshWorkerDown", "pdmesh-prefill", None) not in alerts()
+
+    # decode resumes: every queue drains and both pools are whole again
+    d.cont()
+    mesh.assert_invariants()
     rules = {r["name"]: r for g in prom.api("rules")["groups"] for r in g["rules"]}
     assert all(r["health"] == "ok" for r in rules.values()), {n: r.get("lastError") for n, r in rules.items()}

@@ -84,7 +84,3 @@ async def generate(
                     task.cancel()
         await asyncio.gather(p_task, d_task, return_exceptions=True)
     return out
-
-
-def run(coro):
-    return asyncio.run(coro)

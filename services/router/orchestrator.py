@@ -76,6 +76,19 @@ def sampling_pb(spec: GenerateSpec, eos_ids: Sequence[int]) -> wpb.SamplingParam
     )
 
 
+def retry_avoids(failure: WorkerFailure, prefill: Worker, decode: Worker) -> set[Worker]:
+    """Workers the retry should avoid.
+
+    A failure on decode's stream is decode's own (its process or its room): prefill is not
+    suspect, and avoiding it would push the retry towards the other prefills, one of which may be
+    dead and not yet ejected. A failure reported by prefill may be caused by either side (a KV
+    transfer to a broken decode fails on prefill), so both are avoided.
+    """
+    if failure.worker is decode:
+        return {decode}
+    return {prefill, decode}
+
+
 class Attempt:
     """Both RPCs of one try. The pair arrives reserved by WorkerPool.choose_pair; the attempt
     releases decode's slot on close and prefill's when the Prefill RPC ends."""
@@ -262,7 +275,7 @@ class Orchestrator:
                                     status=error.status, retry=retryable and number == 1)
                         if not retryable or number == 2:
                             raise error from None
-                        exclude |= {prefill, decode}
+                        exclude |= retry_avoids(failure, prefill, decode)
             completed = bool(first.finish_reason)
             yield first
             if completed:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,8 @@ from dataclasses import dataclass, field
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.ports import free_port  # noqa: F401 - re-exported for tests and benches
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -35,12 +36,6 @@ QUEUE_GAUGES = {
         "pdmesh:num_running_reqs",
     ),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(cond: Callable[[], object], timeout: float, what: str, poll: float = 0.02):

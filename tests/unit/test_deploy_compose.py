@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from services.common import config
+from tests.ports import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -572,11 +573,7 @@ def test_healthcheck_exit_code_follows_health(status, rc):
 
 
 def test_healthcheck_fails_fast_when_nothing_listens():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nothing listens there
     proc = subprocess.run(
         [sys.executable, str(DEPLOY / "healthcheck.py")],
         capture_output=True,

@@ -21,14 +21,9 @@ import uvicorn
 
 from services.router.app import RouterSettings, create_app
 from tests.fake_workers import Behaviour, FakeDecode, FakePrefill
+from tests.ports import free_port
 
 MODEL = "pdmesh-tiny"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(cond: Callable[[], object], timeout: float = 5.0, what: str = "condition"):

@@ -5,9 +5,12 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import grpc
 import pytest
 
+from services.router.orchestrator import WorkerFailure, retry_avoids
 from services.router.policy import LeastLoaded, PowerOfTwo, RoundRobin, make_policy
+from services.router.pool import Worker
 
 
 def test_round_robin_cycles():
@@ -39,3 +42,15 @@ def test_make_policy():
     assert isinstance(make_policy("power_of_two"), PowerOfTwo)
     with pytest.raises(ValueError):
         make_policy("random")
+
+
+# --- what a retry avoids ------------------------------------------------------------------------------
+
+
+def test_retry_avoids_prefill_only_when_prefill_reported_the_failure():
+    p, d = Worker("prefill", "p:1"), Worker("decode", "d:1")
+    # decode's stream broke: the prefill that served the attempt is not suspect, and avoiding it
+    # would push the retry towards other prefills, one of which may be dead and not yet ejected
+    assert retry_avoids(WorkerFailure(d, grpc.StatusCode.UNAVAILABLE, "connection reset"), p, d) == {d}
+    # prefill failed the room: the KV transfer may have broken on decode's side, so both
+    assert retry_avoids(WorkerFailure(p, grpc.StatusCode.UNAVAILABLE, "room 7: transfer failed"), p, d) == {p, d}

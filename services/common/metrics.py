@@ -29,6 +29,7 @@ DECODE_GAUGES = (
     "num_decode_prealloc_queue_reqs",
     "num_decode_transfer_queue_reqs",
     "num_running_reqs",
+    "num_retracted_reqs",
     "token_usage",
 )
 ROUTER_GAUGES = ("num_running_reqs",)
@@ -60,6 +61,11 @@ class Metrics:
             "num_bootstrap_failed_reqs_total", "requests failed before decode attached / before prefill accepted"
         )
         self.num_transfer_failed_reqs = counter("num_transfer_failed_reqs_total", "requests whose KV transfer failed")
+        self.num_retractions = counter(
+            "num_retractions_total", "times decode retracted a running request for lack of KV pages"
+        )
+        if engine_type == "decode":
+            self.num_retractions.labels(**self.labels)  # at 0 from the start, like the evictions
         self.watchdog_evictions = counter(
             "watchdog_evictions_total", "entries evicted by the watchdog for exceeding their queue deadline", ("queue",)
         )
@@ -104,4 +110,5 @@ _GAUGE_HELP = {
     "token_usage": "fraction of KV pages in use",
     "num_decode_prealloc_queue_reqs": "decode requests waiting for KV pages",
     "num_decode_transfer_queue_reqs": "decode requests waiting for their KV to arrive",
+    "num_retracted_reqs": "decode requests that gave up their KV pages (pool full) and wait to recompute",
 }

@@ -26,6 +26,9 @@ class DecodeServicer(wpb_grpc.DecodeServicer):
                 params = parse_request(request.params, ids, self.worker.engine.config)
                 if not request.prefill_addr:
                     raise ValueError("prefill_addr is required")
+                pool = self.worker.engine.pool
+                if pool.pages_for_tokens(len(ids) + 1) > pool.num_pages:
+                    raise ValueError(f"prompt of {len(ids)} tokens needs more KV pages than this worker has")
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             try:

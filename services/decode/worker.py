@@ -7,10 +7,12 @@ A job's life (DESIGN.md §2-§3):
   -> transfer (WaitingForInput: prefill computing, bounded by its liveness;
                Transferring: prefill said forward done, bounded by --transfer-timeout)
   -> running (KV and first token arrived; joins the decode batch between steps)
+     <-> retracted (out of pages: gave its pages back, recomputes its KV when pages free up)
   -> finished (stop / length) or failed (any stage)
 
-Pages grow on demand while decoding. Cleanup runs exactly once per job and never while its
-pages are inside a running forward.
+Pages grow on demand while decoding; when none is left, the latest-arrived running request is
+retracted (services/decode/retraction.py). Cleanup runs exactly once per job and never while
+its pages are inside a running forward.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ import grpc
 from services.common.faults import Faults
 from services.common.logging_setup import bound_room, get_logger
 from services.common.metrics import Metrics
+from services.decode.retraction import choose_victim
 from services.engine.local_generate import is_stop
 from services.engine.page_allocator import OutOfPages
-from services.engine.runner import DecodeItem
+from services.engine.runner import DecodeItem, PrefillItem
 from services.engine.sampling_params import SamplingParams
 from services.engine.worker_engine import WorkerEngine
 from services.transfer.bootstrap import BootstrapCallError, KVReceiveCoordinator
@@ -69,6 +72,7 @@ class Job:
     attaching: bool = False
     attach_sent: bool = False  # prefill knows our pages: it may WRITE into them until it lets go
     running: bool = False
+    retracted: bool = False  # left the batch for lack of pages; resumes by recomputing its KV
     in_forward: bool = False
     finished: bool = False
     output: list[int] = field(default_factory=list)
@@ -113,6 +117,7 @@ class DecodeWorker:
             lambda: self.count_states(RoomState.WAITING_FOR_INPUT, RoomState.TRANSFERRING),
         )
         m.gauge_from("num_running_reqs", lambda: sum(1 for j in self.jobs.values() if j.running))
+        m.gauge_from("num_retracted_reqs", lambda: sum(1 for j in self.jobs.values() if j.retracted))
         m.gauge_from("token_usage", lambda: engine.pool.token_usage)
 
     # --- queries ---------------------------------------------------------------------------
@@ -190,7 +195,7 @@ class DecodeWorker:
                 self.engine.pool.allocator.free(job.pages, owner=job.room)
             job.pages = None
         self.receiver.release(job.room)
-        self._alloc_work.set()
+        self._pages_freed()
 
     async def _release_when_prefill_lets_go(self, room: int, prefill_addr: str, pages: list[int]) -> None:
         """Abort the room on prefill, then free its quarantined pages. Prefill lets go when it
@@ -218,7 +223,12 @@ class DecodeWorker:
                 await asyncio.sleep(self.quarantine_retry)
         del self.quarantined[room]
         self.engine.pool.allocator.free(pages, owner=room)
+        self._pages_freed()
+
+    def _pages_freed(self) -> None:
         self._alloc_work.set()
+        if any(j.retracted for j in self.jobs.values()):
+            self._decode_work.set()
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -271,8 +281,11 @@ class DecodeWorker:
         while True:
             await self._alloc_work.wait()
             self._alloc_work.clear()
+            if any(j.retracted for j in self.jobs.values()):
+                continue  # retracted requests get freed pages first (the decode loop resumes them)
             waiting = sorted(
-                (j for j in self.jobs.values() if j.pages is None and not j.finished), key=lambda j: j.seq
+                (j for j in self.jobs.values() if j.pages is None and not j.finished and not j.retracted),
+                key=lambda j: j.seq,
             )
             for job in waiting:
                 # prompt KV plus room for the first decode step; more pages come on demand
@@ -310,26 +323,100 @@ class DecodeWorker:
             await self._decode_work.wait()
             self._decode_work.clear()
             while True:
+                await self._resume_retracted()
                 batch = self._pick_batch()
                 if not batch:
                     break
                 await self._step(batch)
 
     def _pick_batch(self) -> list[Job]:
+        """This step's batch in arrival order, each job's pages grown to fit its next token;
+        when the pool runs dry, later arrivals are retracted to make room."""
         pool = self.engine.pool
-        batch = []
-        for job in sorted((j for j in self.jobs.values() if j.running and not j.finished), key=lambda j: j.seq):
+        batch: list[Job] = []
+        running = sorted((j for j in self.jobs.values() if j.running and not j.finished), key=lambda j: j.seq)
+        for i, job in enumerate(running):
             if len(batch) >= self.max_running:
                 break
+            if not job.running:  # retracted earlier in this pass, to make room for an earlier job
+                continue
             position = len(job.token_ids) + len(job.output) - 1  # the last token goes in here
-            if pool.pages_for_tokens(position + 1) > len(job.pages):
+            need = pool.pages_for_tokens(position + 1)
+            if need > pool.num_pages:
+                self._fail(job, f"context of {position + 1} tokens outgrew the KV pool "
+                                f"({pool.num_pages} pages of {pool.page_size})", "RESOURCE_EXHAUSTED")
+                continue
+            while need > len(job.pages):
                 try:
                     job.pages += pool.allocator.alloc(1, owner=job.room)
-                except OutOfPages:
-                    self._fail(job, "out of KV pages while decoding", "RESOURCE_EXHAUSTED")
                     continue
-            batch.append(job)
+                except OutOfPages:
+                    pass
+                later = [j for j in running[i + 1:] if j.running]
+                others = bool(self.quarantined) or any(
+                    j.pages for j in self.jobs.values() if not j.running and not j.finished
+                )
+                decision = choose_victim(job, later, not batch, others)
+                if decision.fail:
+                    self._fail(job, "out of KV pages while decoding", "RESOURCE_EXHAUSTED")
+                    break
+                self._retract(decision.victim)
+                if decision.victim is job:
+                    break
+            if job.running and not job.finished:
+                batch.append(job)
         return batch
+
+    def _retract(self, job: Job) -> None:
+        """Give the job's pages back; it leaves the batch and waits to recompute its KV."""
+        with bound_room(job.room):
+            log.warning("retracted: out of KV pages", pages=len(job.pages),
+                        context_tokens=len(job.token_ids) + len(job.output) - 1,
+                        free_pages=self.engine.pool.allocator.num_free)
+        self.metrics.inc(self.metrics.num_retractions)
+        self.engine.pool.allocator.free(job.pages, owner=job.room)
+        job.pages = None
+        # its KV arrived long ago: prefill writes nothing more into whatever pages it gets next
+        job.attach_sent = False
+        job.running = False
+        job.retracted = True
+
+    async def _resume_retracted(self) -> None:
+        """Recompute the KV of retracted jobs (prompt + generated tokens, in arrival order) as
+        pages allow, then return them to the batch. The last generated token is not in the
+        cache: the next decode step feeds it, exactly as for a job that never left."""
+        pool = self.engine.pool
+        resumed: list[Job] = []
+        for job in sorted((j for j in self.jobs.values() if j.retracted and not j.finished), key=lambda j: j.seq):
+            context = len(job.token_ids) + len(job.output) - 1
+            try:
+                job.pages = pool.allocator.alloc(pool.pages_for_tokens(context + 1), owner=job.room)
+            except OutOfPages:
+                break  # arrival order: a later job does not jump ahead of an earlier one
+            resumed.append(job)
+        if not resumed:
+            return
+        items = [PrefillItem(j.token_ids + j.output[:-1], 0, list(j.pages)) for j in resumed]
+        for j in resumed:
+            j.in_forward = True
+        try:
+            await self.engine.run(lambda: self.engine.runner.prefill(items))
+            error = None
+        except Exception as e:  # noqa: BLE001 - a failed recompute fails its requests, not the worker
+            log.exception("recompute of retracted requests failed", rooms=[j.room for j in resumed])
+            error = e
+        for job in resumed:
+            job.in_forward = False
+            if job.finished:  # aborted during the recompute: its cleanup waited for the forward
+                self._cleanup(job)
+                continue
+            job.retracted = False
+            if error is not None:
+                self._fail(job, f"recompute after retraction failed: {type(error).__name__}: {error}", "INTERNAL")
+                continue
+            job.running = True
+            with bound_room(job.room):
+                log.info("resumed after retraction", pages=len(job.pages))
 
     async def _step(self, batch: list[Job]) -> None:
         engine = self.engine

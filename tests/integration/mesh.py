@@ -34,6 +34,7 @@ QUEUE_GAUGES = {
         "pdmesh:num_decode_prealloc_queue_reqs",
         "pdmesh:num_decode_transfer_queue_reqs",
         "pdmesh:num_running_reqs",
+        "pdmesh:num_retracted_reqs",
     ),
 }
 

@@ -25,7 +25,7 @@ class AttentionMetadata:
     positions: torch.Tensor  # [T] absolute positions of the packed tokens
     write_page: torch.Tensor  # [T] page each token's K/V is stored into
     write_off: torch.Tensor  # [T]
-    # Prefill: one span per sequence (attention runs per sequence over its own context).
+    # Prefill: one span per sequence (equal-length fresh prompts attend stacked, others one by one).
     spans: list[PrefillSeqSpan] | None = None
     # Decode: one token per sequence, context padded to the longest: [B, S_max].
     decode_page: torch.Tensor | None = None

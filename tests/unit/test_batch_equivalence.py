@@ -55,3 +55,32 @@ def test_eos_and_stop_token_ids_end_generation(builtin):
     )[0]
     assert stopped == free_run[: first + 1]
     assert pool.allocator.is_whole()
+
+
+def test_equal_length_fresh_prompts_attend_batched_with_the_same_result(builtin):
+    """Fresh prompts of one length share one stacked attention call; the logits and tokens must
+    be those of each prompt alone, with other lengths and a cached continuation in the batch."""
+    import torch
+
+    from services.engine.runner import ModelRunner, PrefillItem
+
+    pool = KVPool(builtin.config, num_pages=64, page_size=16)
+    runner = ModelRunner(builtin.model, pool)
+    prompts = [[(i * 13 + j * 7) % 256 for j in range(40)] for i in range(5)] + [list(range(17)), list(range(90))]
+    tables = [pool.allocator.alloc(pool.pages_for_tokens(len(p)), owner=i) for i, p in enumerate(prompts)]
+    # the last sequence continues: its first 50 tokens are already cached
+    runner.prefill([PrefillItem(prompts[-1][:50], 0, tables[-1])])
+    items = [PrefillItem(p, 0, t) for p, t in zip(prompts[:-1], tables[:-1], strict=True)]
+    items.append(PrefillItem(prompts[-1][50:], 50, tables[-1]))
+    batched = runner.prefill(items)
+    for i, (p, t) in enumerate(zip(prompts, tables, strict=True)):
+        alone = runner.prefill([PrefillItem(p, 0, t)])[0]
+        assert torch.allclose(batched[i], alone, atol=1e-5), (i, float((batched[i] - alone).abs().max()))
+    for i in range(len(prompts)):
+        pool.allocator.free(tables[i], owner=i)
+    assert pool.allocator.is_whole()
+
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)] * len(prompts)
+    together = generate(builtin.model, pool, prompts, params)
+    for prompt, p, out in zip(prompts, params, together, strict=True):
+        assert out == generate(builtin.model, pool, [prompt], [p])[0]

@@ -343,8 +343,7 @@ class DecodeWorker:
             position = len(job.token_ids) + len(job.output) - 1  # the last token goes in here
             need = pool.pages_for_tokens(position + 1)
             if need > pool.num_pages:
-                self._fail(job, f"context of {position + 1} tokens outgrew the KV pool "
-                                f"({pool.num_pages} pages of {pool.page_size})", "RESOURCE_EXHAUSTED")
+                self._fail_outgrown(job, position + 1)
                 continue
             while need > len(job.pages):
                 try:
@@ -366,6 +365,11 @@ class DecodeWorker:
             if job.running and not job.finished:
                 batch.append(job)
         return batch
+
+    def _fail_outgrown(self, job: Job, tokens: int) -> None:
+        pool = self.engine.pool
+        self._fail(job, f"context of {tokens} tokens outgrew the KV pool "
+                        f"({pool.num_pages} pages of {pool.page_size})", "RESOURCE_EXHAUSTED")
 
     def _retract(self, job: Job) -> None:
         """Give the job's pages back; it leaves the batch and waits to recompute its KV."""
@@ -389,8 +393,12 @@ class DecodeWorker:
         resumed: list[Job] = []
         for job in sorted((j for j in self.jobs.values() if j.retracted and not j.finished), key=lambda j: j.seq):
             context = len(job.token_ids) + len(job.output) - 1
+            need = pool.pages_for_tokens(context + 1)
+            if need > pool.num_pages:  # could never resume: fail rather than wait forever
+                self._fail_outgrown(job, context + 1)
+                continue
             try:
-                job.pages = pool.allocator.alloc(pool.pages_for_tokens(context + 1), owner=job.room)
+                job.pages = pool.allocator.alloc(need, owner=job.room)
             except OutOfPages:
                 break  # arrival order: a later job does not jump ahead of an earlier one
             resumed.append(job)

@@ -391,17 +391,21 @@ class DecodeWorker:
         cache: the next decode step feeds it, exactly as for a job that never left."""
         pool = self.engine.pool
         resumed: list[Job] = []
+        # Headroom: leave a page of growth for every request in the batch, or the next page
+        # one of them needs would retract the job just recomputed (thrashing). With nothing
+        # running, a job resumes as soon as its context fits.
+        headroom = sum(1 for j in self.jobs.values() if j.running and not j.finished)
         for job in sorted((j for j in self.jobs.values() if j.retracted and not j.finished), key=lambda j: j.seq):
             context = len(job.token_ids) + len(job.output) - 1
             need = pool.pages_for_tokens(context + 1)
             if need > pool.num_pages:  # could never resume: fail rather than wait forever
                 self._fail_outgrown(job, context + 1)
                 continue
-            try:
-                job.pages = pool.allocator.alloc(need, owner=job.room)
-            except OutOfPages:
+            if pool.allocator.num_free < need + headroom:
                 break  # arrival order: a later job does not jump ahead of an earlier one
+            job.pages = pool.allocator.alloc(need, owner=job.room)
             resumed.append(job)
+            headroom += 1
         if not resumed:
             return
         items = [PrefillItem(j.token_ids + j.output[:-1], 0, list(j.pages)) for j in resumed]

@@ -21,12 +21,41 @@ class PrefillSeqSpan:
 
 
 @dataclass
+class FreshBatch:
+    """Fresh prompts (start_pos 0) that attend together in one stacked call, padded to the
+    longest. Their whole context is the chunk at hand, so no cache read is needed."""
+
+    spans: list[PrefillSeqSpan]
+    rows: torch.Tensor  # [B, L] row of each (sequence, position) in the packed batch (pad: row 0)
+    mask: torch.Tensor | None  # [B, 1, L, L] causal and not padding; None when all are length L
+
+
+# Padding costs compute: a prompt joins a group only if the group's longest prompt is at most
+# this many times its length (it then pads by at most half its own length).
+MAX_PADDED_LENGTH_RATIO = 1.5
+
+
+def group_fresh_spans(spans: list[PrefillSeqSpan]) -> list[list[PrefillSeqSpan]]:
+    """Fresh spans grouped for stacked attention, longest first; singletons are left out
+    (they attend alone)."""
+    fresh = sorted((s for s in spans if s.start_pos == 0), key=lambda s: -s.num_tokens)
+    groups: list[list[PrefillSeqSpan]] = []
+    for span in fresh:
+        if groups and groups[-1][0].num_tokens <= MAX_PADDED_LENGTH_RATIO * span.num_tokens:
+            groups[-1].append(span)
+        else:
+            groups.append([span])
+    return [g for g in groups if len(g) > 1]
+
+
+@dataclass
 class AttentionMetadata:
     positions: torch.Tensor  # [T] absolute positions of the packed tokens
     write_page: torch.Tensor  # [T] page each token's K/V is stored into
     write_off: torch.Tensor  # [T]
     # Prefill: one span per sequence (equal-length fresh prompts attend stacked, others one by one).
     spans: list[PrefillSeqSpan] | None = None
+    fresh_batches: list[FreshBatch] | None = None
     # Decode: one token per sequence, context padded to the longest: [B, S_max].
     decode_page: torch.Tensor | None = None
     decode_off: torch.Tensor | None = None

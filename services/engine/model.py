@@ -50,31 +50,32 @@ class Attention(nn.Module):
         if meta.is_decode:
             out = self._decode_attention(q, meta, pool)
         else:
-            out = self._prefill_attention_all(q, k, v, meta.spans, pool)
+            out = self._prefill_attention_all(q, k, v, meta, pool)
         return self.o_proj(out)
 
-    def _prefill_attention_all(self, q, k, v, spans, pool: KVPool) -> torch.Tensor:
-        """Fresh prompts of one length attend in one batched call (their whole context is the
-        chunk at hand); chunks that continue a cached sequence attend one by one over it."""
-        by_len: dict[int, list] = {}
-        for span in spans:
-            if span.start_pos == 0:
-                by_len.setdefault(span.num_tokens, []).append(span)
+    def _prefill_attention_all(self, q, k, v, meta: AttentionMetadata, pool: KVPool) -> torch.Tensor:
+        """Fresh prompts of similar length attend in stacked calls (meta.fresh_batches); the
+        others, and chunks that continue a cached sequence, attend one by one."""
         outs: dict[int, torch.Tensor] = {}
-        for group in by_len.values():
-            if len(group) > 1:
-                outs.update(zip((id(s) for s in group), self._fresh_attention(q, k, v, group), strict=True))
-        return torch.cat([outs[id(s)] if id(s) in outs else self._prefill_attention(q, k, v, s, pool) for s in spans])
+        for fb in meta.fresh_batches or ():
+            stacked = self._fresh_attention(q, k, v, fb)  # [B, L, h*d]
+            for i, s in enumerate(fb.spans):
+                outs[id(s)] = stacked[i, : s.num_tokens]
+        return torch.cat(
+            [outs[id(s)] if id(s) in outs else self._prefill_attention(q, k, v, s, pool) for s in meta.spans]
+        )
 
-    def _fresh_attention(self, q, k, v, group) -> torch.Tensor:
-        """Causal attention of equally long fresh prompts, stacked: returns [len(group), n, h*d]."""
-        rows = torch.cat([torch.arange(s.start, s.start + s.num_tokens) for s in group]).to(q.device)
-        b, n = len(group), group[0].num_tokens
-        qs = q[rows].view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
-        ks = k[rows].view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        vs = v[rows].view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
-        return out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim)
+    def _fresh_attention(self, q, k, v, fb) -> torch.Tensor:
+        """Causal attention of fresh prompts stacked and padded to the longest: [B, L, h*d]."""
+        qs = q[fb.rows].transpose(1, 2)  # [B, h, L, d]
+        ks = k[fb.rows].transpose(1, 2)
+        vs = v[fb.rows].transpose(1, 2)
+        if fb.mask is None:
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=fb.mask, enable_gqa=True)
+        b, length = fb.rows.shape
+        return out.transpose(1, 2).reshape(b, length, self.num_heads * self.head_dim)
 
     def _prefill_attention(self, q, k, v, span, pool: KVPool) -> torch.Tensor:
         rows = slice(span.start, span.start + span.num_tokens)

@@ -10,7 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.attention_metadata import AttentionMetadata, PrefillSeqSpan
+from services.engine.attention_metadata import (
+    AttentionMetadata,
+    FreshBatch,
+    PrefillSeqSpan,
+    group_fresh_spans,
+)
 from services.engine.kv_pool import KVPool
 from services.engine.model import CausalLM
 
@@ -75,9 +80,23 @@ class ModelRunner:
             write_page=torch.cat(w_page).to(self.device),
             write_off=torch.cat(w_off).to(self.device),
             spans=spans,
+            fresh_batches=[self._fresh_batch(g) for g in group_fresh_spans(spans)],
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         return self.model(input_ids, meta, self.pool, torch.tensor(last_rows, device=self.device))
+
+    def _fresh_batch(self, group: list[PrefillSeqSpan]) -> FreshBatch:
+        longest = max(s.num_tokens for s in group)
+        rows = torch.zeros(len(group), longest, dtype=torch.long)
+        valid = torch.zeros(len(group), longest, dtype=torch.bool)
+        for i, s in enumerate(group):
+            rows[i, : s.num_tokens] = torch.arange(s.start, s.start + s.num_tokens)
+            valid[i, : s.num_tokens] = True
+        mask = None
+        if not bool(valid.all()):
+            causal = torch.ones(longest, longest, dtype=torch.bool).tril()
+            mask = (causal[None] & valid[:, None, :])[:, None].to(self.device)
+        return FreshBatch(group, rows.to(self.device), mask)
 
     @torch.inference_mode()
     def decode(self, items: list[DecodeItem]) -> torch.Tensor:

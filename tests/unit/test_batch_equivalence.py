@@ -57,16 +57,18 @@ def test_eos_and_stop_token_ids_end_generation(builtin):
     assert pool.allocator.is_whole()
 
 
-def test_equal_length_fresh_prompts_attend_batched_with_the_same_result(builtin):
-    """Fresh prompts of one length share one stacked attention call; the logits and tokens must
-    be those of each prompt alone, with other lengths and a cached continuation in the batch."""
+def test_fresh_prompts_attend_stacked_with_the_same_result(builtin):
+    """Fresh prompts of equal or similar length share stacked attention calls (padded to the
+    longest); logits and tokens must be those of each prompt alone, with a lone long prompt and
+    a cached continuation in the same batch."""
     import torch
 
     from services.engine.runner import ModelRunner, PrefillItem
 
     pool = KVPool(builtin.config, num_pages=64, page_size=16)
     runner = ModelRunner(builtin.model, pool)
-    prompts = [[(i * 13 + j * 7) % 256 for j in range(40)] for i in range(5)] + [list(range(17)), list(range(90))]
+    lengths = [40, 40, 40, 33, 29, 17, 12, 140]
+    prompts = [[(i * 13 + j * 7) % 256 for j in range(n)] for i, n in enumerate(lengths)] + [list(range(90))]
     tables = [pool.allocator.alloc(pool.pages_for_tokens(len(p)), owner=i) for i, p in enumerate(prompts)]
     # the last sequence continues: its first 50 tokens are already cached
     runner.prefill([PrefillItem(prompts[-1][:50], 0, tables[-1])])
@@ -84,3 +86,16 @@ def test_equal_length_fresh_prompts_attend_batched_with_the_same_result(builtin)
     together = generate(builtin.model, pool, prompts, params)
     for prompt, p, out in zip(prompts, params, together, strict=True):
         assert out == generate(builtin.model, pool, [prompt], [p])[0]
+
+
+def test_fresh_spans_group_by_padding_cost():
+    from services.engine.attention_metadata import PrefillSeqSpan, group_fresh_spans
+
+    def span(n, start_pos=0):
+        return PrefillSeqSpan(0, n, None, None, None, start_pos)
+
+    spans = [span(40), span(12), span(40), span(33), span(140), span(29), span(17), span(50, start_pos=8)]
+    groups = [[s.num_tokens for s in g] for g in group_fresh_spans(spans)]
+    # 140 alone (a 40 padded to 140 would do 12x its own attention work); 40/40/33/29 pad to
+    # 40 and 17/12 to 17 (at most 1.5x their length); the continuation never groups
+    assert groups == [[40, 40, 33, 29], [17, 12]]

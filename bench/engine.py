@@ -92,21 +92,17 @@ def bench_mixed_prefill(loaded, batch: int, repeats: int) -> dict:
     """Prompts of 64-128 tokens: stacked attention groups vs attention one prompt at a time."""
     import random
 
-    from services.engine import attention_metadata
-
     rng = random.Random(batch)
     lengths = [rng.randint(64, 128) for _ in range(batch)]
     pool = KVPool(loaded.config, num_pages=batch * 10, page_size=16)
     runner = ModelRunner(loaded.model, pool)
     tables = [pool.allocator.alloc(pool.pages_for_tokens(n), owner=i) for i, n in enumerate(lengths)]
     items = [PrefillItem([(i + j) % 256 for j in range(n)], 0, t) for i, (n, t) in enumerate(zip(lengths, tables, strict=True))]
-    ratio = attention_metadata.MAX_PADDED_LENGTH_RATIO
     out = {}
-    for name, r in (("stacked", ratio), ("one_by_one", 0.0)):
-        attention_metadata.MAX_PADDED_LENGTH_RATIO = r
+    for name, ratio in (("stacked", runner.max_padded_length_ratio), ("one_by_one", 0.0)):
+        runner.max_padded_length_ratio = ratio
         runner.prefill(items)  # warm-up
         out[f"{name}_tok_s"] = sum(lengths) / best_of(lambda: runner.prefill(items), repeats)
-    attention_metadata.MAX_PADDED_LENGTH_RATIO = ratio
     return {"batch": batch, **out, "speedup": out["stacked_tok_s"] / out["one_by_one_tok_s"]}
 
 

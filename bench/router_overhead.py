@@ -34,7 +34,8 @@ import httpx  # noqa: E402
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb  # noqa: E402
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc  # noqa: E402
 from services.router.orchestrator import new_room  # noqa: E402
-from tests.integration.mesh import ROOT, Mesh, free_port, wait_for  # noqa: E402
+from tests.integration.mesh import ROOT, Mesh, wait_for  # noqa: E402
+from tests.ports import free_port  # noqa: E402
 
 MODEL = "pdmesh-tiny"
 

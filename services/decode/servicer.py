@@ -27,7 +27,7 @@ class DecodeServicer(wpb_grpc.DecodeServicer):
                 if not request.prefill_addr:
                     raise ValueError("prefill_addr is required")
                 pool = self.worker.engine.pool
-                if pool.pages_for_tokens(len(ids) + 1) > pool.num_pages:
+                if not pool.can_ever_hold(len(ids) + 1):
                     raise ValueError(f"prompt of {len(ids)} tokens needs more KV pages than this worker has")
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -341,10 +341,10 @@ class DecodeWorker:
             if not job.running:  # retracted earlier in this pass, to make room for an earlier job
                 continue
             position = len(job.token_ids) + len(job.output) - 1  # the last token goes in here
-            need = pool.pages_for_tokens(position + 1)
-            if need > pool.num_pages:
+            if not pool.can_ever_hold(position + 1):
                 self._fail_outgrown(job, position + 1)
                 continue
+            need = pool.pages_for_tokens(position + 1)
             while need > len(job.pages):
                 try:
                     job.pages += pool.allocator.alloc(1, owner=job.room)
@@ -397,10 +397,10 @@ class DecodeWorker:
         headroom = sum(1 for j in self.jobs.values() if j.running and not j.finished)
         for job in sorted((j for j in self.jobs.values() if j.retracted and not j.finished), key=lambda j: j.seq):
             context = len(job.token_ids) + len(job.output) - 1
-            need = pool.pages_for_tokens(context + 1)
-            if need > pool.num_pages:  # could never resume: fail rather than wait forever
+            if not pool.can_ever_hold(context + 1):  # could never resume: fail rather than wait forever
                 self._fail_outgrown(job, context + 1)
                 continue
+            need = pool.pages_for_tokens(context + 1)
             if pool.allocator.num_free < need + headroom:
                 break  # arrival order: a later job does not jump ahead of an earlier one
             job.pages = pool.allocator.alloc(need, owner=job.room)

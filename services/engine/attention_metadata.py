@@ -35,13 +35,15 @@ class FreshBatch:
 MAX_PADDED_LENGTH_RATIO = 1.5
 
 
-def group_fresh_spans(spans: list[PrefillSeqSpan]) -> list[list[PrefillSeqSpan]]:
+def group_fresh_spans(
+    spans: list[PrefillSeqSpan], max_ratio: float = MAX_PADDED_LENGTH_RATIO
+) -> list[list[PrefillSeqSpan]]:
     """Fresh spans grouped for stacked attention, longest first; singletons are left out
-    (they attend alone)."""
+    (they attend alone). max_ratio 0 groups nothing."""
     fresh = sorted((s for s in spans if s.start_pos == 0), key=lambda s: -s.num_tokens)
     groups: list[list[PrefillSeqSpan]] = []
     for span in fresh:
-        if groups and groups[-1][0].num_tokens <= MAX_PADDED_LENGTH_RATIO * span.num_tokens:
+        if groups and groups[-1][0].num_tokens <= max_ratio * span.num_tokens:
             groups[-1].append(span)
         else:
             groups.append([span])

@@ -67,6 +67,10 @@ class KVPool:
     def pages_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    def can_ever_hold(self, num_tokens: int) -> bool:
+        """Whether the whole pool is large enough for one sequence of num_tokens."""
+        return self.pages_for_tokens(num_tokens) <= self.num_pages
+
     @property
     def token_usage(self) -> float:
         """Fraction of pages in use (SGLang's token_usage gauge)."""

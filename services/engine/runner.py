@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.attention_metadata import (
+    MAX_PADDED_LENGTH_RATIO,
     AttentionMetadata,
     FreshBatch,
     PrefillSeqSpan,
@@ -40,6 +41,7 @@ class ModelRunner:
         self.pool = pool
         self.device = pool.device
         self.page_size = pool.page_size
+        self.max_padded_length_ratio = MAX_PADDED_LENGTH_RATIO  # 0: every prompt attends alone
 
     def _check_capacity(self, page_table: list[int], num_tokens: int) -> None:
         if len(page_table) * self.page_size < num_tokens:
@@ -80,7 +82,7 @@ class ModelRunner:
             write_page=torch.cat(w_page).to(self.device),
             write_off=torch.cat(w_off).to(self.device),
             spans=spans,
-            fresh_batches=[self._fresh_batch(g) for g in group_fresh_spans(spans)],
+            fresh_batches=[self._fresh_batch(g) for g in group_fresh_spans(spans, self.max_padded_length_ratio)],
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         return self.model(input_ids, meta, self.pool, torch.tensor(last_rows, device=self.device))

@@ -27,7 +27,7 @@ class PrefillServicer(wpb_grpc.PrefillServicer):
             pool = self.worker.engine.pool
             try:
                 params = parse_request(request.params, ids, self.worker.engine.config)
-                if pool.pages_for_tokens(len(ids)) > pool.num_pages:
+                if not pool.can_ever_hold(len(ids)):
                     raise ValueError(f"prompt of {len(ids)} tokens needs more KV pages than this worker has")
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.ports import free_port  # noqa: F401 - re-exported for tests and benches
+from tests.ports import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

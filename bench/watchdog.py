@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from services.engine.sampling_params import SamplingParams  # noqa: E402
+from services.common.sampling_params import SamplingParams  # noqa: E402
 from services.prefill import watchdog  # noqa: E402
 from services.transfer.sender import SenderRoom  # noqa: E402
 from services.transfer.state import RoomState, RoomTable  # noqa: E402

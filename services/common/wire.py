@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
-from services.engine.sampling_params import SamplingParams
+from services.common.sampling_params import SamplingParams
 
 
 def params_from_pb(p: wpb.SamplingParams) -> SamplingParams:

@@ -33,7 +33,7 @@ from services.decode.retraction import choose_victim
 from services.engine.local_generate import is_stop
 from services.engine.page_allocator import OutOfPages
 from services.engine.runner import DecodeItem, PrefillItem
-from services.engine.sampling_params import SamplingParams
+from services.common.sampling_params import SamplingParams
 from services.engine.worker_engine import WorkerEngine
 from services.transfer.bootstrap import BootstrapCallError, KVReceiveCoordinator
 from services.transfer.receiver import KVReceiver, ReceiverRoom

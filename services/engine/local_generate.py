@@ -14,7 +14,7 @@ from services.engine.kv_pool import KVPool
 from services.engine.model import CausalLM
 from services.engine.runner import DecodeItem, ModelRunner, PrefillItem
 from services.engine.sampler import Sampler
-from services.engine.sampling_params import SamplingParams
+from services.common.sampling_params import SamplingParams
 
 
 @dataclass

@@ -12,7 +12,7 @@ import hashlib
 
 import torch
 
-from services.engine.sampling_params import SamplingParams
+from services.common.sampling_params import SamplingParams
 
 
 def _uniform(seed: int | None, position: int) -> float:

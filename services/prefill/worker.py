@@ -24,7 +24,7 @@ from services.common.logging_setup import bound_room, get_logger
 from services.common.metrics import Metrics
 from services.engine.page_allocator import OutOfPages
 from services.engine.runner import PrefillItem
-from services.engine.sampling_params import SamplingParams
+from services.common.sampling_params import SamplingParams
 from services.engine.worker_engine import WorkerEngine
 from services.transfer.sender import KVSender, SenderRoom
 from services.transfer.state import RoomState

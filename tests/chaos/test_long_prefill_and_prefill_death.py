@@ -16,7 +16,7 @@ from services.common.grpc_server import channel
 from services.engine.kv_pool import KVPool
 from services.engine.loader import load_model
 from services.engine.local_generate import generate as local_generate
-from services.engine.sampling_params import SamplingParams
+from services.common.sampling_params import SamplingParams
 from tests.integration.mesh import in_background, wait_for
 from tests.integration.worker_client import generate
 

@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 
-from services.engine.sampling_params import SamplingParams
+from services.common.sampling_params import SamplingParams
 from tests.integration.mesh import in_background, wait_for
 from tests.integration.worker_client import generate
 

@@ -23,7 +23,7 @@ import httpx
 import pytest
 import yaml
 
-from services.engine.sampling_params import SamplingParams
+from services.common.sampling_params import SamplingParams
 from tests.integration.mesh import wait_for
 from tests.integration.worker_client import generate
 from tests.ports import free_port

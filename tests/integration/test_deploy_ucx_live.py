@@ -11,7 +11,7 @@ import asyncio
 import pytest
 import yaml
 
-from services.engine.sampling_params import SamplingParams
+from services.common.sampling_params import SamplingParams
 from tests.integration.worker_client import generate
 from tests.unit.test_deploy_compose import COMPOSE, COMPOSE_CPU, _ResetLoader
 

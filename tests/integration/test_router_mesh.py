@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from services.common.builtin_tokenizer import BuiltinTokenizer
-from services.engine.sampling_params import SamplingParams
+from services.common.sampling_params import SamplingParams
 from tests.integration.mesh import Mesh, wait_for
 from tests.integration.worker_client import generate
 

@@ -8,7 +8,7 @@ import asyncio
 import httpx
 import pytest
 
-from services.engine.sampling_params import SamplingParams
+from services.common.sampling_params import SamplingParams
 from tests.integration.mesh import in_background, wait_for
 from tests.integration.worker_client import generate
 

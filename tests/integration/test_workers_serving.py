@@ -19,7 +19,7 @@ from services.common.wire import params_to_pb
 from services.engine.kv_pool import KVPool
 from services.engine.loader import load_model
 from services.engine.local_generate import generate_full
-from services.engine.sampling_params import SamplingParams
+from services.common.sampling_params import SamplingParams
 from tests.integration.mesh import Mesh, wait_for
 from tests.integration.worker_client import generate, new_room
 

@@ -148,7 +148,7 @@ class SenderEndpoint(Endpoint):
         if "prompt" in c:
             from services.engine.runner import ModelRunner, PrefillItem
             from services.engine.sampler import Sampler
-            from services.engine.sampling_params import SamplingParams
+            from services.common.sampling_params import SamplingParams
 
             prompt = c["prompt"]
             pages = self.pool.allocator.alloc(self.pool.pages_for_tokens(len(prompt)), owner=("req", room))
@@ -196,7 +196,7 @@ class SenderEndpoint(Endpoint):
 
     async def cmd_reference(self, c):
         from services.engine.local_generate import generate
-        from services.engine.sampling_params import SamplingParams
+        from services.common.sampling_params import SamplingParams
 
         pool = KVPool(self.config, 64, page_size=16)
         params = [SamplingParams(temperature=0.0, max_tokens=c["max_tokens"], ignore_eos=True)] * len(
@@ -270,7 +270,7 @@ class ReceiverEndpoint(Endpoint):
     async def cmd_decode(self, c):
         from services.engine.runner import DecodeItem, ModelRunner
         from services.engine.sampler import Sampler
-        from services.engine.sampling_params import SamplingParams
+        from services.common.sampling_params import SamplingParams
 
         room = c["room"]
         w, row = self.work[room], self.receiver.result(room)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from services.engine.sampler import Sampler
-from services.engine.sampling_params import SamplingParams
+from services.common.sampling_params import SamplingParams
 
 
 @pytest.fixture

@@ -6,20 +6,36 @@ is logged loudly at start so nobody runs a faulty worker by accident.
   stall_transfer          prefill never posts the KV WRITE (the room sits in inflight)
   drop_notification       prefill posts the WRITE without its notification
   fail_attach             prefill refuses every Attach
-  delay_forward=SECONDS   prefill sleeps this long inside each forward (engine thread)
   sigstop_after_attach    decode freezes itself (SIGSTOP) right after its first attach
+  delay_forward=SECONDS   every forward sleeps this long first (engine thread, either worker)
+  fail_forward[=P]        every forward raises (bare), or each with probability P, drawn from
+                          a generator seeded with `fault_seed` (default 0) so runs repeat
+  hang_forward=SECONDS    the FIRST forward after start blocks this long on the engine thread
+                          (only the first, so a test sees the stuck forward, then recovery)
+  crash_task=NAME         the named long-lived task (e.g. decode-loop, prefill-scheduler,
+                          kv-heartbeat, watchdog, forward-watch, loop-lag, poller, http)
+                          raises shortly after start; supervision must take the worker down
+  fault_seed=N            seed of fail_forward's generator
+
+The forward faults are applied by services/engine/worker_engine.py (both workers alike), the
+task crash by services/common/worker_lifecycle.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-KNOWN = {
-    "stall_transfer": bool,
-    "drop_notification": bool,
-    "fail_attach": bool,
-    "delay_forward": float,
-    "sigstop_after_attach": bool,
+# name -> (type, value when given bare)
+KNOWN: dict[str, tuple[type, object]] = {
+    "stall_transfer": (bool, True),
+    "drop_notification": (bool, True),
+    "fail_attach": (bool, True),
+    "sigstop_after_attach": (bool, True),
+    "delay_forward": (float, None),
+    "fail_forward": (float, 1.0),
+    "hang_forward": (float, None),
+    "crash_task": (str, None),
+    "fault_seed": (int, None),
 }
 
 
@@ -32,8 +48,12 @@ class Faults:
     stall_transfer: bool = False
     drop_notification: bool = False
     fail_attach: bool = False
-    delay_forward: float = 0.0
     sigstop_after_attach: bool = False
+    delay_forward: float = 0.0
+    fail_forward: float = 0.0  # probability that one forward raises
+    hang_forward: float = 0.0
+    crash_task: str = ""
+    fault_seed: int = 0
 
     @classmethod
     def parse(cls, spec: str) -> Faults:
@@ -41,18 +61,32 @@ class Faults:
         for item in (s.strip() for s in (spec or "").split(",")):
             if not item:
                 continue
-            name, _, raw = item.partition("=")
-            name = name.strip()
+            name, eq, raw = item.partition("=")
+            name, raw = name.strip(), raw.strip()
             if name not in KNOWN:
                 raise FaultSpecError(f"unknown fault {name!r}; known: {sorted(KNOWN)}")
-            if KNOWN[name] is bool:
-                values[name] = True
-            else:
-                try:
-                    values[name] = float(raw)
-                except ValueError:
-                    raise FaultSpecError(f"fault {name} needs a number, e.g. {name}=5") from None
-        return cls(**values)
+            kind, bare = KNOWN[name]
+            if not eq:
+                if bare is None:
+                    raise FaultSpecError(f"fault {name} needs a value, e.g. {name}={_example(kind)}")
+                values[name] = bare
+                continue
+            if kind is bool:
+                raise FaultSpecError(f"fault {name} takes no value")
+            try:
+                values[name] = kind(raw)
+            except ValueError:
+                raise FaultSpecError(f"fault {name} needs a {kind.__name__}, e.g. {name}={_example(kind)}") from None
+            if kind is str and not raw:
+                raise FaultSpecError(f"fault {name} needs a name")
+        p = values.get("fail_forward", 0.0)
+        if not 0.0 <= p <= 1.0:  # type: ignore[operator]
+            raise FaultSpecError(f"fail_forward is a probability in [0, 1], got {p}")
+        return cls(**values)  # type: ignore[arg-type]
 
     def active(self) -> dict[str, object]:
         return {k: v for k, v in self.__dict__.items() if v}
+
+
+def _example(kind: type) -> str:
+    return {float: "5", int: "1", str: "decode-loop"}.get(kind, "1")

@@ -2,17 +2,25 @@
 
 Forwards run on one dedicated thread so the asyncio loop (queues, watchdog, gRPC, metrics)
 stays responsive while a long prefill computes; torch releases the GIL inside its kernels.
+
+`run()` is the one door to that thread, so it is also where the forward faults apply (both
+workers alike, see services/common/faults.py) and where the start of the current forward is
+recorded: `forward_age()` lets a timer on the loop notice a forward that never returns
+(`--forward-timeout`, services/common/worker_lifecycle.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import random
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 
+from services.common.faults import Faults
 from services.engine.kv_pool import KVPool
 from services.engine.loader import LoadedModel, load_model
 from services.engine.runner import ModelRunner
@@ -23,22 +31,59 @@ T = TypeVar("T")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class ForwardFault(RuntimeError):
+    """Raised inside a forward by the fail_forward fault."""
+
+
 class WorkerEngine:
-    def __init__(self, model_path: str, device: str, dtype: str, num_pages: int, page_size: int):
+    def __init__(
+        self, model_path: str, device: str, dtype: str, num_pages: int, page_size: int, faults: Faults | None = None
+    ):
         self.loaded: LoadedModel = load_model(model_path, device, None if dtype == "auto" else _DTYPES[dtype])
         self.config = self.loaded.config
         self.pool = KVPool(self.config, num_pages, page_size, self.loaded.device, self.loaded.dtype)
         self.runner = ModelRunner(self.loaded.model, self.pool)
         self.sampler = Sampler()
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self.faults = faults or Faults()
+        self._fault_rng = random.Random(self.faults.fault_seed)  # fail_forward draws: repeatable
+        self._hang_pending = self.faults.hang_forward > 0  # hang_forward hits the first forward only
+        self._forward_started: float | None = None  # monotonic start of the running forward
+        self.forward_seq = 0  # forwards started so far: tells one stuck forward from the next
 
     @property
     def model_name(self) -> str:
         return self.config.name
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run fn on the engine thread; the event loop keeps serving meanwhile."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        """Run one forward (fn) on the engine thread; the event loop keeps serving meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._forward, fn, args)
+
+    def forward_age(self) -> float:
+        """Seconds the current forward has been running on the engine thread; 0 when idle."""
+        started = self._forward_started
+        return 0.0 if started is None else max(0.0, time.monotonic() - started)
+
+    def _forward(self, fn: Callable[..., T], args: tuple) -> T:
+        # engine thread. The clock starts here, not at submission: a forward queued behind
+        # another is not itself stuck.
+        self.forward_seq += 1  # only this thread writes; the loop only reads
+        self._forward_started = time.monotonic()
+        try:
+            self._apply_faults()
+            return fn(*args)
+        finally:
+            self._forward_started = None
+
+    def _apply_faults(self) -> None:
+        f = self.faults
+        if self._hang_pending:
+            self._hang_pending = False
+            time.sleep(f.hang_forward)  # fault injection: a forward stuck for this long
+        if f.delay_forward:
+            time.sleep(f.delay_forward)  # fault injection: a slow forward
+        if f.fail_forward and self._fault_rng.random() < f.fail_forward:
+            raise ForwardFault("fault injection: fail_forward")
 
     def pool_health(self) -> dict[str, Any]:
         alloc = self.pool.allocator

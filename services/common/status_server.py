@@ -1,62 +1,57 @@
-"""A tiny HTTP/1.1 server on the worker's asyncio loop for /metrics and /health.
+"""Serve an ASGI app (Starlette) with uvicorn on the caller's own asyncio loop.
 
-Workers speak gRPC for real traffic; this only answers scrapes and probes, so a few dozen
-lines on asyncio streams beat pulling a web framework into every worker.
+The workers answer scrapes and probes (/metrics, /health) with the same well-kept HTTP stack
+as the router, instead of a hand-written HTTP/1.1 parser. uvicorn runs as a task on the
+worker's loop (no thread, no second loop), with its own signal handling switched off: the
+worker's SIGTERM/SIGINT handlers (services/common/process.py) keep deciding when to stop.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import contextlib
+from collections.abc import Callable, Coroutine
 
-# handler() -> (status code, content type, body)
-Handler = Callable[[], Awaitable[tuple[int, str, bytes]]]
+import uvicorn
 
-_REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 400: "Bad Request", 503: "Service Unavailable"}
+STARTUP_TIMEOUT = 10.0
 
 
-async def start_status_server(host: str, port: int, routes: dict[str, Handler]) -> asyncio.Server:
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+class _LoopServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):  # the worker owns the process's signals
+        yield
+
+
+class StatusServer:
+    def __init__(self, server: uvicorn.Server, task: asyncio.Task):
+        self._server, self.task = server, task
+
+    async def stop(self) -> None:
+        self._server.should_exit = True
         try:
-            while True:
-                try:
-                    request_line = await asyncio.wait_for(reader.readline(), timeout=30)
-                except (TimeoutError, ConnectionError):
-                    return
-                if not request_line:
-                    return
-                # drain headers; we never read a body (GET/HEAD only)
-                while True:
-                    line = await asyncio.wait_for(reader.readline(), timeout=30)
-                    if line in (b"\r\n", b"\n", b""):
-                        break
-                parts = request_line.decode("latin-1").split()
-                if len(parts) != 3:
-                    await _respond(writer, 400, "text/plain", b"bad request\n", False)
-                    return
-                method, target, _ = parts
-                path = target.split("?", 1)[0]
-                keep_alive = True
-                if method not in ("GET", "HEAD"):
-                    await _respond(writer, 405, "text/plain", b"method not allowed\n", keep_alive)
-                elif path not in routes:
-                    await _respond(writer, 404, "text/plain", b"not found\n", keep_alive)
-                else:
-                    status, ctype, body = await routes[path]()
-                    await _respond(writer, status, ctype, b"" if method == "HEAD" else body, keep_alive)
-        except (ConnectionError, TimeoutError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
-
-    return await asyncio.start_server(handle, host, port, reuse_address=True)
+            await asyncio.wait_for(asyncio.shield(self.task), timeout=5)
+        except (asyncio.TimeoutError, asyncio.CancelledError, Exception):  # noqa: BLE001 - stopping anyway
+            self.task.cancel()
 
 
-async def _respond(writer: asyncio.StreamWriter, status: int, ctype: str, body: bytes, keep_alive: bool) -> None:
-    head = (
-        f"HTTP/1.1 {status} {_REASONS.get(status, 'OK')}\r\n"
-        f"Content-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
-        f"Connection: {'keep-alive' if keep_alive else 'close'}\r\n\r\n"
+async def start_status_server(
+    app, host: str, port: int, spawn: Callable[[Coroutine, str], asyncio.Task] | None = None, name: str = "http"
+) -> StatusServer:
+    """Start serving `app`; returns once the socket is bound (raises OSError if it cannot be)."""
+    config = uvicorn.Config(
+        app, host=host, port=port, log_config=None, access_log=False, lifespan="off", timeout_keep_alive=30
     )
-    writer.write(head.encode("latin-1") + body)
-    await writer.drain()
+    server = _LoopServer(config)
+    coro = server.serve()
+    task = spawn(coro, name) if spawn else asyncio.get_running_loop().create_task(coro, name=name)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + STARTUP_TIMEOUT
+    while not server.started:
+        if task.done():  # uvicorn exits (SystemExit) when it cannot bind
+            raise OSError(f"cannot serve HTTP on {host}:{port} (in use?)")
+        if loop.time() > deadline:
+            task.cancel()
+            raise OSError(f"HTTP server on {host}:{port} did not start within {STARTUP_TIMEOUT:g}s")
+        await asyncio.sleep(0.01)
+    return StatusServer(server, task)

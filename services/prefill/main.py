@@ -24,7 +24,7 @@ DESCRIPTION = "pdmesh prefill worker: computes prompts' KV cache and sends it to
 async def serve(argv=None) -> None:
     args = parse_args("python -m services.prefill", DESCRIPTION, PREFILL_FLAGS, argv)
     worker_id, faults = start_worker_process("prefill", args)
-    engine = WorkerEngine(args.model, args.device, args.dtype, args.num_pages, args.page_size)
+    engine = WorkerEngine(args.model, args.device, args.dtype, args.num_pages, args.page_size, faults)
     agent = NixlAgent.for_pool("prefill", engine.pool)
     sender = KVSender(
         agent,
@@ -46,6 +46,7 @@ async def serve(argv=None) -> None:
             role="prefill",
             args=args,
             worker_id=worker_id,
+            faults=faults,
             engine=engine,
             agent=agent,
             metrics=metrics,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +35,14 @@ class ProgressPoller:
     def kick(self) -> None:
         self._event.set()
 
-    def start(self) -> asyncio.Task:
+    def start(self, spawn: Callable[[Coroutine, str], asyncio.Task] | None = None) -> asyncio.Task:
+        """Start polling. `spawn(coro, name)` creates the task (the worker's supervisor, which
+        takes the worker down if polling ever stops); plain create_task without it."""
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run(), name=self.name)
+            if spawn is not None:
+                self._task = spawn(self._run(), "poller")
+            else:
+                self._task = asyncio.get_running_loop().create_task(self._run(), name=self.name)
         return self._task
 
     async def stop(self) -> None:

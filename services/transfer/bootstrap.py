@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -72,8 +73,11 @@ def layout_from_pb(m: pb.MemoryLayout) -> MemoryLayout:
 
 
 class KVBootstrapServicer(pb_grpc.KVBootstrapServicer):
-    def __init__(self, sender: KVSender):
+    def __init__(self, sender: KVSender, forward_age: Callable[[], float] | None = None):
+        """forward_age: seconds the worker's current forward has run (0 when none), reported
+        in every heartbeat reply so decode can bound its wait by progress."""
         self.sender = sender
+        self.forward_age = forward_age or (lambda: 0.0)
 
     @staticmethod
     async def _abort(context, code: grpc.StatusCode, kind: str, msg: str):
@@ -121,7 +125,7 @@ class KVBootstrapServicer(pb_grpc.KVBootstrapServicer):
     async def Abort(self, request, context):
         await self._check_version(request, context)
         known = self.sender.abort(request.room, f"aborted by decode: {request.reason or 'no reason given'}")
-        return pb.AbortReply(known=known)
+        return pb.AbortReply(known=known, quiesced=self.sender.quiesced(request.room))
 
     async def Heartbeat(self, request, context):
         await self._check_version(request, context)
@@ -131,11 +135,14 @@ class KVBootstrapServicer(pb_grpc.KVBootstrapServicer):
             held_rooms=held,
             forward_done_rooms=done,
             peer_registered=registered,
+            forward_age_seconds=self.forward_age(),
         )
 
 
-def add_bootstrap_servicer(server: grpc.aio.Server, sender: KVSender) -> KVBootstrapServicer:
-    servicer = KVBootstrapServicer(sender)
+def add_bootstrap_servicer(
+    server: grpc.aio.Server, sender: KVSender, forward_age: Callable[[], float] | None = None
+) -> KVBootstrapServicer:
+    servicer = KVBootstrapServicer(sender, forward_age)
     pb_grpc.add_KVBootstrapServicer_to_server(servicer, server)
     return servicer
 
@@ -167,6 +174,13 @@ class HeartbeatResult:
     held: list[int]
     forward_done: list[int]
     peer_registered: bool
+    forward_age: float = 0.0  # seconds prefill's current forward has run; 0 when none
+
+
+@dataclass(frozen=True)
+class AbortResult:
+    known: bool  # prefill held the room
+    quiesced: bool  # no live or deferred NIXL transfer on prefill references the room
 
 
 class BootstrapClient:
@@ -230,14 +244,15 @@ class BootstrapClient:
         )
         return reply.sender_agent_name, reply.sender_epoch
 
-    async def abort(self, room: int, reason: str, agent_name: str = "") -> bool:
+    async def abort(self, room: int, reason: str, agent_name: str = "", timeout: float | None = None) -> AbortResult:
         reply = await self._call(
             "Abort",
             pb.AbortRequest(
                 protocol_version=PROTOCOL_VERSION, room=room, reason=reason, agent_name=agent_name
             ),
+            timeout,
         )
-        return reply.known
+        return AbortResult(reply.known, reply.quiesced)
 
     async def heartbeat(
         self, agent_name: str, epoch: int, rooms: list[int], timeout: float | None = None
@@ -250,7 +265,11 @@ class BootstrapClient:
             timeout,
         )
         return HeartbeatResult(
-            reply.sender_epoch, list(reply.held_rooms), list(reply.forward_done_rooms), reply.peer_registered
+            reply.sender_epoch,
+            list(reply.held_rooms),
+            list(reply.forward_done_rooms),
+            reply.peer_registered,
+            reply.forward_age_seconds,
         )
 
 
@@ -268,7 +287,10 @@ class KVReceiveCoordinator:
         rpc_timeout: float = 5.0,
         heartbeat_interval: float = 2.0,
         heartbeat_max_failures: int = 3,
+        forward_timeout: float = 300.0,
     ):
+        """forward_timeout: decode's --forward-timeout; a prefill reporting a forward older
+        than this fails the rooms that wait on it in phase 1 (it is not progressing)."""
         self.receiver = receiver
         self.worker_id = worker_id
         self.rpc_timeout = rpc_timeout
@@ -277,8 +299,14 @@ class KVReceiveCoordinator:
         self._clients: dict[str, BootstrapClient] = {}
         self._registered: dict[str, SenderInfo] = {}
         self._reg_locks: dict[str, asyncio.Lock] = {}
+        self.forward_timeout = forward_timeout
         self._hb_failures: dict[str, int] = {}
         self._hb_task: asyncio.Task | None = None
+        # per prefill address: the last sender epoch seen, and a generation bumped whenever
+        # that prefill is "really gone" (a new epoch, or heartbeat_max_failures in a row), so
+        # decode's quarantine (services/decode/quarantine.py) knows its late writes can't come
+        self._epochs: dict[str, int] = {}
+        self._gone: dict[str, int] = {}
 
     def client(self, address: str) -> BootstrapClient:
         c = self._clients.get(address)
@@ -299,10 +327,25 @@ class KVReceiveCoordinator:
                     self.worker_id, agent.name, agent.epoch, agent.metadata(), agent.layout
                 )
                 self._registered[address] = info
+                self._saw_epoch(address, info.epoch)
                 log.info(
                     "registered with prefill %s (agent %s, epoch %d)", address, info.agent_name, info.epoch
                 )
             return info
+
+    def prefill_generation(self, address: str) -> int:
+        """Bumped each time the prefill at `address` is known gone (restart or dead)."""
+        return self._gone.get(address, 0)
+
+    def _declare_gone(self, address: str, why: str) -> None:
+        self._gone[address] = self._gone.get(address, 0) + 1
+        log.info("prefill %s is gone (%s)", address, why)
+
+    def _saw_epoch(self, address: str, epoch: int) -> None:
+        old = self._epochs.get(address)
+        self._epochs[address] = epoch
+        if old is not None and old != epoch:
+            self._declare_gone(address, f"restarted: epoch {old} -> {epoch}")
 
     def forget(self, address: str) -> None:
         """Register again on the next attach (prefill restarted or dropped this agent)."""
@@ -367,12 +410,23 @@ class KVReceiveCoordinator:
             if n >= self.heartbeat_max_failures:
                 self._hb_failures[peer] = 0
                 self.forget(peer)
+                self._declare_gone(peer, f"{n} heartbeats failed")
                 self.receiver.fail_peer(peer, f"prefill {peer} unreachable for {n} heartbeats: {e}")
             return
         self._hb_failures[peer] = 0
+        self._saw_epoch(peer, hb.sender_epoch)
         if not hb.peer_registered:
             self.forget(peer)
         self.receiver.apply_heartbeat(peer, rooms, hb.sender_epoch, hb.held, hb.forward_done)
+        if hb.forward_age > self.forward_timeout:
+            # alive but not progressing: rooms still waiting for their forward would wait forever
+            failed = self.receiver.fail_waiting_for_input(
+                peer,
+                f"prefill {peer} forward stuck for {hb.forward_age:.1f}s "
+                f"(> --forward-timeout {self.forward_timeout:g}s)",
+            )
+            if failed:
+                log.warning("prefill %s forward stuck %.1fs: failed %d waiting rooms", peer, hb.forward_age, len(failed))
 
     async def _heartbeat_loop(self) -> None:
         while True:

@@ -61,6 +61,7 @@ class Xfer:
     nbytes: int
     ndescs: int
     released: bool = False
+    release_error: str = ""  # why NIXL refused the last release (the handle is deferred)
 
 
 def _mem_kind(t: torch.Tensor) -> tuple[MemoryKind, int]:
@@ -213,20 +214,23 @@ class NixlAgent:
             raise NixlError(f"transfer to {x.peer} reported ERR")
         return st
 
-    def release(self, x: Xfer) -> None:
+    def release(self, x: Xfer) -> bool:
         """Release a handle; an active transfer is cancelled. Never raises: a handle NIXL
-        refuses to release now is kept and retried by :meth:`retry_releases`."""
+        refuses to release now is kept and retried by :meth:`retry_releases`, and False is
+        returned (the transfer may still touch its memory)."""
         if x.released:
-            return
+            return True
         try:
             self._agent.release_xfer_handle(x.handle)
         except Exception as e:
+            x.release_error = f"{type(e).__name__}: {e}"
             log.warning("release of a transfer to %s deferred: %s", x.peer, e)
             if x not in self._zombies:
                 self._zombies.append(x)
-            return
+            return False
         x.released = True
         self._live.discard(x)
+        return True
 
     def retry_releases(self) -> None:
         for x in list(self._zombies):

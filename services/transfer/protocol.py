@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 # Bump on any change to bootstrap.proto, to the notification format or to the aux row layout.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: AbortReply.quiesced, HeartbeatReply.forward_age_seconds
 
 # aux row words (int64), mirrored from services/engine/kv_pool.py (kept equal by a unit test).
 AUX_ROOM, AUX_TOKEN, AUX_LOGPROB_BITS, AUX_EPOCH = 0, 1, 2, 3

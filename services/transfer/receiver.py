@@ -259,6 +259,15 @@ class KVReceiver:
                 self.mark_forward_done(room)
         return failed
 
+    def fail_waiting_for_input(self, peer: str, reason: str) -> list[int]:
+        """Prefill is alive but its forward is stuck: fail the rooms still waiting for their
+        forward (phase 1). Rooms in phase 2 keep their own transfer clock."""
+        failed = []
+        for r in self.rooms.in_state(RoomState.WAITING_FOR_INPUT):
+            if r.peer == peer and self._fail(r, reason):
+                failed.append(r.room)
+        return failed
+
     def fail_peer(self, peer: str, reason: str) -> list[int]:
         """Prefill unreachable: fail every room waiting on it (incl. ones still attaching)."""
         failed = []

@@ -13,6 +13,12 @@ Attach and create may come in either order (the router calls both workers at onc
 for a room not created yet is parked and claimed by create_room. The KV pages stay owned by the
 worker; this class owns the NIXL handles and one aux staging row per sending room.
 
+A handle NIXL refuses to release (its transfer still active) is *deferred*: kept per room and
+retried by `sweep()` (the watchdog tick, so an idle worker retries too) until NIXL lets go.
+While a room has one, NIXL may still read the room's source pages and WRITE into decode's
+pages, so `quiesced(room)` is False (decode keeps those pages quarantined: AbortReply) and
+`free_when_quiesced(room, free)` holds the worker's pages until then.
+
 No torch and no nixl import: the agent is passed in (services/transfer/nixl_agent.NixlAgent, or
 a fake in unit tests).
 """
@@ -85,6 +91,15 @@ class _Stage:
 
 
 @dataclass(eq=False)
+class _Deferred:
+    """Handles of one room that NIXL refused to release, and what waits for them to go."""
+
+    since: float
+    handles: list[Any] = field(default_factory=list)
+    on_quiesced: list[Callable[[], None]] = field(default_factory=list)
+
+
+@dataclass(eq=False)
 class SenderRoom(Room):
     attach: AttachInfo | None = None
     src_pages: list[int] | None = None
@@ -146,6 +161,7 @@ class KVSender:
         self._by_worker: dict[str, Peer] = {}
         self.wakeup: Callable[[], None] = lambda: None  # set by the poller
         self.stats = {"success": 0, "failed": 0, "bytes": 0, "peers_replaced": 0, "peers_dropped": 0}
+        self._deferred: dict[int, _Deferred] = {}  # room -> handles NIXL has not released yet
 
     # --- identity -----------------------------------------------------------------------
     @property
@@ -348,10 +364,18 @@ class KVSender:
         if status == "DONE":
             self._stage_done(r)
 
+    def _release_handle(self, r: SenderRoom) -> None:
+        x, r.xfer = r.xfer, None
+        if x is not None and self.agent.release(x) is False:
+            d = self._deferred.setdefault(r.room, _Deferred(self.clock()))
+            d.handles.append(x)
+            log.warning(
+                "room=%d: NIXL refused to release its transfer handle (%s); its pages stay held "
+                "until a sweep releases it", r.room, getattr(x, "release_error", "") or "still active",
+            )
+
     def _stage_done(self, r: SenderRoom) -> None:
-        if r.xfer is not None:
-            self.agent.release(r.xfer)
-            r.xfer = None
+        self._release_handle(r)
         if r.stages:
             self._post_next(r)
             return
@@ -398,11 +422,65 @@ class KVSender:
         if now < self._flush_until:
             self.agent.progress()
             busy += 1
-        if self._pending:
-            for room, a in list(self._pending.items()):
-                if now - a.at > self.pending_attach_ttl:
-                    del self._pending[room]
+        self._expire_parked(now)
         return busy
+
+    # --- the watchdog's share: work that must move without traffic ----------------------
+    def sweep(self, now: float | None = None) -> dict[str, int]:
+        """Run every watchdog tick, traffic or not: drop parked attaches older than
+        `pending_attach_ttl` and retry deferred handle releases (poll() also does both, but
+        runs only while transfers are in flight). Every handle still deferred afterwards is
+        logged with its reason. Returns counts for tests and logs."""
+        now = self.clock() if now is None else now
+        expired = self._expire_parked(now)
+        released = 0
+        for room, d in list(self._deferred.items()):
+            still = [x for x in d.handles if self.agent.release(x) is False]
+            released += len(d.handles) - len(still)
+            d.handles = still
+            if still:
+                log.warning(
+                    "room=%d: %d NIXL handle(s) still not released after %.1fs (%s); pages stay held",
+                    room, len(still), now - d.since, getattr(still[0], "release_error", "") or "still active",
+                )
+                continue
+            del self._deferred[room]
+            log.info("room=%d: deferred NIXL handle released after %.1fs", room, now - d.since)
+            for fn in d.on_quiesced:
+                fn()
+        return {"expired_attaches": expired, "released_handles": released, "deferred_rooms": len(self._deferred)}
+
+    def _expire_parked(self, now: float) -> int:
+        n = 0
+        for room, a in list(self._pending.items()):
+            if now - a.at > self.pending_attach_ttl:
+                del self._pending[room]
+                n += 1
+                log.warning(
+                    "room=%d: parked attach from %s dropped: no Prefill RPC within %gs",
+                    room, a.agent_name, self.pending_attach_ttl,
+                )
+        return n
+
+    def quiesced(self, room: int) -> bool:
+        """True iff no live or deferred NIXL transfer references the room: decode may reuse
+        the room's pages, and this worker may free its source pages."""
+        r = self.rooms.get(room)
+        return (r is None or r.state.terminal) and room not in self._deferred
+
+    def free_when_quiesced(self, room: int, free: Callable[[], None]) -> bool:
+        """Call free() (the worker returns the room's source pages) now if no deferred handle
+        may still read them, else once a sweep has released the last one. True if now."""
+        d = self._deferred.get(room)
+        if d is None:
+            free()
+            return True
+        d.on_quiesced.append(free)
+        return False
+
+    @property
+    def num_deferred_handles(self) -> int:
+        return sum(len(d.handles) for d in self._deferred.values())
 
     def abort(self, room: int, reason: str) -> bool:
         """Abort from either side. Fails a live room; a room not created yet is remembered as
@@ -444,9 +522,7 @@ class KVSender:
 
     def _finish(self, r: SenderRoom) -> None:
         """Terminal: release NIXL handle and aux slot, tell the owner."""
-        if r.xfer is not None:
-            self.agent.release(r.xfer)
-            r.xfer = None
+        self._release_handle(r)
         r.stages = []
         if r.aux_slot is not None:
             self.pool.aux_allocator.free([r.aux_slot], owner=("kv-send", r.room))

@@ -39,7 +39,7 @@ async def serve(argv=None) -> None:
 
     def add_servicers(server):
         wpb_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), server)
-        add_bootstrap_servicer(server, sender)
+        add_bootstrap_servicer(server, sender, forward_age=engine.forward_age)
 
     await run_worker(
         WorkerParts(
@@ -55,7 +55,12 @@ async def serve(argv=None) -> None:
             grpc_services=("pdmesh.v1.Prefill", "pdmesh.v1.KVBootstrap"),
             loops={"prefill-scheduler": worker.schedule_loop},
             sweep=lambda: watchdog.sweep(worker, args.bootstrap_timeout, args.inflight_timeout),
-            health_extra=lambda: {"rooms": len(worker.jobs)},
+            health_extra=lambda: {
+                "rooms": len(worker.jobs),
+                "pending_attaches": sender.num_pending_attach,
+                "nixl_deferred_handles": sender.num_deferred_handles,
+            },
+            on_stuck_forward=getattr(worker, "on_stuck_forward", lambda reason: None),  # lead: worker.on_stuck_forward
         )
     )
 

@@ -3,7 +3,8 @@
 Queue <-> sender state (DESIGN.md §3): bootstrap = Bootstrapping (decode has not attached),
 inflight = Transferring (KV posted, not done). The waiting queue has no clock: a room there is
 computing or about to. The clock is the time the room entered its current state, so a long
-prefill never counts against the inflight deadline.
+prefill never counts against the inflight deadline. The same tick drives the sender's own
+sweep (parked attaches, deferred NIXL handles), so an idle worker does that work too.
 """
 
 from __future__ import annotations
@@ -18,4 +19,7 @@ def sweep(worker, bootstrap_timeout: float, inflight_timeout: float) -> int:
     expired = worker.sender.rooms.expired(deadlines)
     for e in expired:
         worker.evict(e.room, QUEUE_OF_STATE[e.state], e.age, deadlines[e.state])
+    # work that would otherwise move only under traffic (the poller sleeps when no transfer is
+    # in flight): parked attaches expire, deferred NIXL handle releases are retried and logged
+    worker.sender.sweep()
     return len(expired)

@@ -6,6 +6,9 @@ cancellations, streams still open) so tests can assert that the router ended eve
 
 Not used in production. A fake decode "generates" by cycling through `script` (token ids),
 honouring max_tokens and stop_token_ids like the real decode, and emits one token per chunk.
+With `positional` set, the token at absolute position p is script[p % len(script)] (as the real
+workers' seeded sampling keys each token by its position), so a request re-submitted with
+prompt + generated ids continues the same sequence — what migration relies on.
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ class Behaviour:
     code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
     after: int = 0  # decode: tokens sent before fail_after/hang_after strikes
     delay: float = 0.0  # prefill: seconds before replying; decode: seconds before the first token
+    details: str = ""  # the status details of a failure (default: "fake ... failure")
     token_delay: float = 0.0  # decode: seconds between tokens
     times: int | None = None  # apply the mode this many times, then behave ("ok"); None: always
+    keepalive: float = 0.0  # decode: while delaying the first token, send a keep-alive chunk this often
 
 
 @dataclass
@@ -129,6 +134,7 @@ class FakeDecode(FakeWorker, wpb_grpc.DecodeServicer):
         super().__init__()
         self.script = script or list(b"Hello, world! ")
         self.logprob = -0.5
+        self.positional = False
 
     def _register(self, server) -> None:
         wpb_grpc.add_DecodeServicer_to_server(self, server)
@@ -140,10 +146,16 @@ class FakeDecode(FakeWorker, wpb_grpc.DecodeServicer):
         b = self.behaviour
         try:
             mode = self._mode()
-            if b.delay:
+            if b.delay and b.keepalive:
+                loop = asyncio.get_running_loop()
+                until = loop.time() + b.delay
+                while loop.time() < until:
+                    await asyncio.sleep(min(b.keepalive, max(0.0, until - loop.time())))
+                    yield wpb.DecodeChunk(keepalive=True)
+            elif b.delay:
                 await asyncio.sleep(b.delay)
             if mode == "fail":
-                await context.abort(b.code, "fake decode failure")
+                await context.abort(b.code, b.details or "fake decode failure")
             if mode == "hang":
                 await asyncio.Event().wait()
             params = request.params
@@ -156,7 +168,8 @@ class FakeDecode(FakeWorker, wpb_grpc.DecodeServicer):
                     await context.abort(b.code, "fake decode failure mid-stream")
                 if mode == "hang_after" and n > b.after:
                     await asyncio.Event().wait()
-                token = self.script[(n - 1) % len(self.script)]
+                index = len(request.token_ids) + n - 1 if self.positional else n - 1
+                token = self.script[index % len(self.script)]
                 finish = "stop" if token in stop_ids else ("length" if n == max_tokens else "")
                 yield wpb.DecodeChunk(
                     token_ids=[token],

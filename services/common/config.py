@@ -93,6 +93,12 @@ ROUTER_FLAGS = [
     Flag("health-check-interval", float, 1.0, "seconds between gRPC health probes of each worker"),
     Flag("health-check-timeout", float, 1.0, "seconds one gRPC health probe may take"),
     Flag("health-failure-threshold", int, 2, "failed probes in a row that eject a worker (one success re-admits)"),
+    Flag("max-migrations", int, 2,
+         "times one request may move to another worker pair after its first token when its decode fails, "
+         "is ejected or stalls (0: never; the stream then ends with an error)"),
+    Flag("stream-stall-timeout", float, 30.0,
+         "seconds a Decode stream may stay silent (no tokens, no keep-alive) before the router treats its "
+         "decode as stalled and fails over or migrates"),
     Flag("dns-refresh-interval", float, 5.0,
          "seconds between re-resolving worker names (a headless Service name stands for all its pods)"),
     Flag("log-level", str, "info", "debug, info, warning or error"),

@@ -76,6 +76,14 @@ class Metrics:
         self.prompt_tokens = counter("prompt_tokens_total", "prompt tokens processed")
         self.generation_tokens = counter("generation_tokens_total", "tokens generated")
         self.router_requests = counter("router_requests_total", "router requests by HTTP status", ("status",))
+        self.router_migrations = counter(
+            "router_migrations_total",
+            "requests the router moved to another worker pair after their first token, by reason",
+            ("reason",),
+        )
+        if engine_type == "router":  # at 0 from the start, so a first migration shows up as a rise
+            for reason in ROUTER_MIGRATION_REASONS:
+                self.router_migrations.labels(**self.labels, reason=reason)
         self.worker_healthy = Gauge(
             PREFIX + "worker_healthy", "1 if the router considers the worker healthy", LABELS + ("target",), registry=r
         )
@@ -99,6 +107,10 @@ class Metrics:
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
+
+# services/router/migration.py's reasons: the decode's stream failed, the pool ejected it, it went
+# silent past --stream-stall-timeout, or its stream ended without a finish reason.
+ROUTER_MIGRATION_REASONS = ("decode_failed", "decode_ejected", "decode_stalled", "stream_ended")
 
 _EVICTION_QUEUES = {"prefill": ("bootstrap", "inflight"), "decode": ("prealloc", "transfer")}
 

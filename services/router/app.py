@@ -3,15 +3,17 @@
 POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /v1/models[/{id}],
 GET /health (200 while a healthy prefill+decode pair exists, else 503), GET /metrics.
 
-Order of checks for a generation request: API key (401) → body size, from Content-Length and
-while reading (413, before any parsing) → JSON (400) → fields and model (400/404) →
-tokenization and context length (400) → the router's concurrency limit (429) → workers
-(503 none healthy / worker failure after one retry, 504 deadline).
+Order of checks for a generation request: API key (401) → the router's concurrency limit
+(429, before the body is read or tokenized: an overloaded router must not spend work on
+requests it will refuse) → body size, from Content-Length and while reading (413, before any
+parsing) → JSON (400) → fields and model (400/404) → tokenization and context length (400) →
+workers (503 none healthy / worker failure, 504 deadline).
 
 A streaming response starts (status 200, first SSE byte) only once decode's first token is
-in hand, so every failure before it is a proper HTTP status and may be retried on another
-pair; after it, a failure ends the stream with `data: {"error": ...}` and `data: [DONE]`,
-and the keep-alive connection stays usable.
+in hand, so every failure before it is a proper HTTP status and is failed over to another
+pair; after it, a decode fault migrates the request (services/router/orchestrator.py), and only
+a failure that cannot be migrated ends the stream with `data: {"error": ...}` and
+`data: [DONE]`; the keep-alive connection stays usable.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -34,7 +37,7 @@ from starlette.requests import ClientDisconnect
 from services.common.logging_setup import bound_room, get_logger
 from services.common.metrics import CONTENT_TYPE, Metrics
 from services.common.tokenizer import BUILTIN_NAMES, Tokenizer, load_tokenizer
-from services.router import errors
+from services.router import errors, openapi
 from services.router.errors import APIError
 from services.router.orchestrator import Orchestrator, new_room
 from services.router.output import TokenStrings
@@ -76,6 +79,8 @@ class RouterSettings:
     health_check_interval: float = 1.0
     health_check_timeout: float = 1.0
     health_failure_threshold: int = 2
+    max_migrations: int = 2
+    stream_stall_timeout: float = 30.0
     dns_refresh_interval: float = 5.0
     log_level: str = "info"
 
@@ -130,8 +135,10 @@ class Router:
             failure_threshold=settings.health_failure_threshold,
             dns_refresh_interval=settings.dns_refresh_interval,
         )
-        self.orchestrator = Orchestrator(self.pool, self.tokenizer.eos_token_ids)
-        self.active = 0  # admitted generation requests not yet finished
+        self.orchestrator = Orchestrator(self.pool, self.tokenizer.eos_token_ids,
+                                         max_migrations=settings.max_migrations,
+                                         stall_timeout=settings.stream_stall_timeout, metrics=self.metrics)
+        self.active = 0  # admitted generation requests not yet finished (their slot is taken before parsing)
         self.created = int(time.time())
 
     async def start(self) -> None:
@@ -201,19 +208,29 @@ class Router:
         deadline = loop.time() + self.settings.request_timeout
         request_id = new_room()
         with bound_room(request_id):
+            admitted = False
             try:
                 self.check_auth(request)
-                body, size = await self.read_json(request)
-                spec = await self.parse(kind, body, size)
                 if self.active >= self.settings.max_concurrent_requests:
                     raise errors.too_many_requests(self.settings.max_concurrent_requests)
+                self.active += 1  # the slot is ours from here: concurrent arrivals see it while we parse
+                admitted = True
+                body, size = await self.read_json(request)
+                spec = await self.parse(kind, body, size)
             except APIError as e:
+                if admitted:
+                    self.active -= 1
                 log.info("request rejected", status=e.status, error=e.message[:300])
                 return self.error_response(e, request_id)
             except ClientDisconnect:
+                if admitted:
+                    self.active -= 1
                 self.count(CLIENT_CLOSED)
                 return Response(status_code=CLIENT_CLOSED)
-            self.active += 1
+            except BaseException:
+                if admitted:
+                    self.active -= 1
+                raise
             self.metrics.inc(self.metrics.num_requests)
             self.metrics.inc(self.metrics.prompt_tokens, len(spec.prompt_ids))
             run = _Run(self, spec, request_id, t0, deadline)
@@ -319,11 +336,17 @@ class _Run:
             raise
         outcome: dict[str, Any] = {"status": 200, "error": None}
 
-        def on_close(disconnected: bool) -> None:
-            if disconnected:
-                self.finish(CLIENT_CLOSED, "client disconnected mid-stream")
-            else:
-                self.finish(outcome["status"], outcome["error"])
+        async def on_close(disconnected: bool) -> None:
+            # Close the orchestrator's generator here, explicitly: when the client left before the
+            # event generator ever ran, nothing else would (its finally never starts), and the
+            # Decode RPC would live on until garbage collection found the generator.
+            try:
+                await self.gen.aclose()
+            finally:
+                if disconnected:
+                    self.finish(CLIENT_CLOSED, "client disconnected mid-stream")
+                else:
+                    self.finish(outcome["status"], outcome["error"])
 
         return SSEResponse(
             self._events(first, outcome),
@@ -376,16 +399,30 @@ def create_app(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> 
         finally:
             await router.close()
 
-    app = FastAPI(title="pdmesh router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="pdmesh router", summary="OpenAI-compatible API of a prefill/decode-disaggregated mesh",
+                  lifespan=lifespan, redoc_url=None)
     app.state.router = router
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi.request_body(openapi.CompletionRequest),
+              responses=openapi.error_responses())
     async def completions(request: Request) -> Response:
+        """Text completion (JSON, or SSE with "stream": true)."""
         return await router.generate(request, "completion")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi.request_body(openapi.ChatCompletionRequest),
+              responses=openapi.error_responses())
     async def chat_completions(request: Request) -> Response:
+        """Chat completion (JSON, or SSE with "stream": true)."""
         return await router.generate(request, "chat")
+
+    def custom_openapi() -> dict[str, Any]:
+        # FastAPI's own schema, plus the request models the routes parse by hand (services/router/openapi.py)
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+            app.openapi_schema = openapi.add_components(schema)
+        return app.openapi_schema
+
+    app.openapi = custom_openapi  # type: ignore[method-assign]
 
     def model_card() -> dict[str, Any]:
         return {

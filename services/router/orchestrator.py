@@ -1,22 +1,26 @@
-"""One request across one prefill and one decode worker, with one retry before the first token.
+"""One request across the workers: fail over before the first byte, migrate after it.
 
-An `Attempt` issues `P.Prefill(room, ids)` and `D.Decode(room, P's address, ids)` at the same
-time and reads decode's token stream:
+`Orchestrator.generate()` runs `Attempt`s (services/router/attempt.py) until the request ends:
 
-- Until decode's first chunk arrives, each read races the Prefill RPC: if Prefill fails, the
-  Decode RPC is cancelled and the attempt fails; if Decode fails, the Prefill RPC is cancelled.
-  A cancelled RPC makes the worker abort the room.
-- Once the first chunk has arrived, decode holds the whole KV cache (it reads the first token
-  from the aux row that lands after the KV pages), so decode no longer needs prefill; a late
-  Prefill failure is logged and does not break a healthy stream.
-- When the stream ends, a Prefill RPC still in flight (its reply may trail the first token) is
-  reaped in the background, bounded by the request deadline.
-- Both RPCs carry the request deadline as their gRPC timeout, so nothing outlives it even when
-  a worker is frozen.
+- **Fail-over.** An attempt that fails before decode's first token — a worker error, a worker
+  the pool ejects, a silent stream — is ended at once (its RPCs cancelled, so the workers abort
+  the room) and the request runs again on another pair, avoiding the suspects. With no healthy
+  pair left the client gets 503 `no_healthy_workers` at once (after one on-the-spot probe of
+  the ejected workers, see WorkerPool.choose_pair).
+- **Migration.** After decode's first token the client may already hold bytes, so the request
+  cannot start over; it continues instead. The router keeps the prompt ids and every id decode
+  has sent; when the decode fails, is ejected or stalls, it sends prompt + generated ids to a
+  fresh pair with the remaining max_tokens and the same seed. Sampling is keyed by (seed,
+  absolute position), so the continuation is exactly what an uninterrupted run would have
+  produced; the caller sees one stream of chunks and never learns of the move (usage, stop
+  strings, logprobs and detokenization continue in ResponseState). At most `max_migrations`
+  per request (0: a failure after the first token ends the request, as before).
+- **Capacity.** A worker that refuses the request because it can never hold its KV ("needs
+  more KV pages than this worker has", INVALID_ARGUMENT) is skipped and the request tries the
+  others; when every healthy worker of that role has refused, the client gets a 400 saying so.
 
-`Orchestrator.generate()` picks a pair, runs an attempt and, if it fails before the first chunk
-(i.e. before the client has seen a byte), runs one more attempt on another pair when one exists.
-It yields `Chunk`s and raises `APIError` (503/504/400) on failure.
+Other INVALID_ARGUMENT refusals are a 400 at once; the request deadline is a 504.
+It yields `Chunk`s and raises `APIError`; closing the generator (aclose) cancels the RPCs.
 """
 
 from __future__ import annotations
@@ -25,21 +29,27 @@ import asyncio
 import contextlib
 import secrets
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 
 import grpc
 import structlog
 
-from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.logging_setup import get_logger
+from services.common.metrics import Metrics
+from services.common.sampling_params import SamplingParams
+from services.common.wire import params_to_pb
+from services.router.attempt import Attempt, Chunk, WorkerFailure
 from services.router.errors import APIError, bad_request, deadline_exceeded, upstream_failed
+from services.router.migration import Progress, migration_reason
 from services.router.pool import Worker, WorkerPool
 from services.router.protocol import GenerateSpec
 
+__all__ = ["Chunk", "Orchestrator", "WorkerFailure", "new_room", "sampling_params"]
+
 log = get_logger("router.orchestrator")
 
-MAX_ROOM = (1 << 63) - 1
 DEADLINE_SLACK = 0.05  # an RPC failing this close to the request deadline counts as the deadline
+MAX_FAILOVERS = 3  # attempts that failed before producing a token, per request (capacity refusals aside)
+CAPACITY_REFUSAL = "needs more KV pages than this worker has"  # the workers' servicers say this
 
 
 def new_room() -> int:
@@ -50,26 +60,14 @@ def new_room() -> int:
             return room
 
 
-@dataclass
-class Chunk:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "", "stop" or "length"
-
-
-class WorkerFailure(Exception):
-    def __init__(self, worker: Worker, code: grpc.StatusCode | None, details: str):
-        super().__init__(f"{worker!r}: {code.name if code else 'ERROR'}: {details}")
-        self.worker, self.code, self.details = worker, code, details
-
-
-def sampling_pb(spec: GenerateSpec, eos_ids: Sequence[int]) -> wpb.SamplingParams:
-    stop_ids = list(dict.fromkeys([*spec.stop_token_ids, *([] if spec.ignore_eos else eos_ids)]))
-    return wpb.SamplingParams(
+def sampling_params(spec: GenerateSpec, eos_ids: Sequence[int]) -> SamplingParams:
+    """The workers' sampling parameters; the eos ids stop decode unless ignore_eos."""
+    stop_ids = tuple(dict.fromkeys([*spec.stop_token_ids, *([] if spec.ignore_eos else eos_ids)]))
+    return SamplingParams(
         temperature=spec.temperature,
         top_p=spec.top_p,
         top_k=spec.top_k,
-        seed=spec.seed,
+        seed=spec.seed,  # always set by protocol.py, so a migrated request samples the same stream
         max_tokens=spec.max_tokens,
         stop_token_ids=stop_ids,
         ignore_eos=spec.ignore_eos,
@@ -77,7 +75,7 @@ def sampling_pb(spec: GenerateSpec, eos_ids: Sequence[int]) -> wpb.SamplingParam
 
 
 def retry_avoids(failure: WorkerFailure, prefill: Worker, decode: Worker) -> set[Worker]:
-    """Workers the retry should avoid.
+    """Workers the next attempt should avoid.
 
     A failure on decode's stream is decode's own (its process or its room): prefill is not
     suspect, and avoiding it would push the retry towards the other prefills, one of which may be
@@ -89,118 +87,18 @@ def retry_avoids(failure: WorkerFailure, prefill: Worker, decode: Worker) -> set
     return {prefill, decode}
 
 
-class Attempt:
-    """Both RPCs of one try. The pair arrives reserved by WorkerPool.choose_pair; the attempt
-    releases decode's slot on close and prefill's when the Prefill RPC ends."""
-
-    def __init__(self, orch: Orchestrator, prefill: Worker, decode: Worker, room: int,
-                 ids: list[int], params: wpb.SamplingParams, deadline: float):
-        self.orch, self.prefill, self.decode, self.room = orch, prefill, decode, room
-        self.deadline = deadline
-        loop = asyncio.get_running_loop()
-        timeout = max(0.001, deadline - loop.time())
-        self._prefill_call = prefill.stub.Prefill(
-            wpb.PrefillRequest(room=room, token_ids=ids, params=params), timeout=timeout
-        )
-        self._decode_call = decode.stub.Decode(
-            wpb.DecodeRequest(room=room, prefill_addr=prefill.addr, token_ids=ids, params=params), timeout=timeout
-        )
-        self._prefill_task = asyncio.ensure_future(self._run_prefill())
-        self._prefill_task.add_done_callback(self._prefill_done)
-        self._read: asyncio.Future | None = None
-        self.got_first = False
-        self._closed = False
-
-    async def _run_prefill(self) -> wpb.PrefillReply:
-        return await self._prefill_call
-
-    def _prefill_done(self, task: asyncio.Task) -> None:
-        self.prefill.inflight -= 1
-        if task.cancelled():
-            return
-        exc = task.exception()
-        if exc is not None and self.got_first:
-            code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
-            log.warning("prefill failed after decode had the KV; stream continues", room=self.room,
-                        prefill=self.prefill.addr, error=str(exc)[:300])
-            self.orch.pool.report_failure(self.prefill, code)
-
-    def _prefill_failure(self) -> WorkerFailure | None:
-        task = self._prefill_task
-        if not task.done():
-            return None
-        if task.cancelled():
-            return WorkerFailure(self.prefill, grpc.StatusCode.CANCELLED, "Prefill RPC cancelled")
-        exc = task.exception()
-        if exc is None:
-            return None
-        if isinstance(exc, grpc.aio.AioRpcError):
-            return WorkerFailure(self.prefill, exc.code(), exc.details() or "")
-        return WorkerFailure(self.prefill, None, repr(exc))
-
-    async def next(self) -> Chunk | None:
-        """The next chunk from decode, or None at the end of the stream. Raises WorkerFailure."""
-        while not self.got_first and not self._prefill_task.done():
-            if self._read is None:
-                self._read = asyncio.ensure_future(self._decode_call.read())
-            await asyncio.wait({self._read, self._prefill_task}, return_when=asyncio.FIRST_COMPLETED)
-            if self._read.done():
-                read, self._read = self._read, None
-                return self._chunk(read)
-        failure = None if self.got_first else self._prefill_failure()
-        if failure is not None:
-            raise failure
-        if self._read is not None:
-            read, self._read = self._read, None
-            await asyncio.wait({read})
-            return self._chunk(read)
-        try:
-            msg = await self._decode_call.read()
-        except grpc.aio.AioRpcError as e:
-            raise WorkerFailure(self.decode, e.code(), e.details() or "") from None
-        return self._convert(msg)
-
-    def _chunk(self, read: asyncio.Future) -> Chunk | None:
-        if read.cancelled():
-            raise WorkerFailure(self.decode, grpc.StatusCode.CANCELLED, "Decode read cancelled")
-        exc = read.exception()
-        if isinstance(exc, grpc.aio.AioRpcError):
-            raise WorkerFailure(self.decode, exc.code(), exc.details() or "")
-        if exc is not None:
-            raise WorkerFailure(self.decode, None, repr(exc))
-        return self._convert(read.result())
-
-    def _convert(self, msg) -> Chunk | None:
-        if msg is grpc.aio.EOF:
-            return None
-        self.got_first = True
-        return Chunk(list(msg.token_ids), list(msg.logprobs), msg.finish_reason)
-
-    def close(self, completed: bool = False) -> None:
-        """End both RPCs (idempotent). Called on success, failure, stop string and disconnect.
-
-        completed: decode finished the stream; a Prefill reply still on its way is then awaited in
-        the background (bounded by the deadline). Otherwise the Prefill RPC is cancelled too.
-        """
-        if self._closed:
-            return
-        self._closed = True
-        if self._read is not None and not self._read.done():
-            self._read.cancel()
-        self._decode_call.cancel()  # no-op when the stream already finished
-        self.decode.inflight -= 1
-        if not self._prefill_task.done():
-            if completed:
-                self.orch.reap(self._prefill_task, self._prefill_call, self.deadline)
-            else:
-                self._prefill_call.cancel()
-                self._prefill_task.cancel()
+def is_capacity_refusal(failure: WorkerFailure) -> bool:
+    return failure.code == grpc.StatusCode.INVALID_ARGUMENT and CAPACITY_REFUSAL in failure.details
 
 
 class Orchestrator:
-    def __init__(self, pool: WorkerPool, eos_ids: Sequence[int]):
+    def __init__(self, pool: WorkerPool, eos_ids: Sequence[int], max_migrations: int = 2,
+                 stall_timeout: float = 30.0, metrics: Metrics | None = None):
         self.pool = pool
         self.eos_ids = list(eos_ids)
+        self.max_migrations = max_migrations
+        self.stall_timeout = stall_timeout
+        self.metrics = metrics
         self._reapers: set[asyncio.Task] = set()
 
     def reap(self, task: asyncio.Task, call, deadline: float) -> None:
@@ -233,68 +131,122 @@ class Orchestrator:
         if failure.code == grpc.StatusCode.INVALID_ARGUMENT:
             return bad_request(f"The worker rejected the request: {failure.details}", code="invalid_request"), False
         return upstream_failed(f"{failure.worker.role} {failure.worker.addr}: "
-                               f"{failure.code.name if failure.code else 'ERROR'}: {failure.details}"), True
+                               f"{failure.code.name if failure.code else failure.kind.upper()}: "
+                               f"{failure.details}"), True
+
+    def _check_capacity(self, refused: set[Worker], spec: GenerateSpec, progress: Progress) -> None:
+        """400 once every healthy worker of a role has refused the request for capacity."""
+        for role, group in (("prefill", self.pool.prefills), ("decode", self.pool.decodes)):
+            healthy = [w for w in group if w.healthy]
+            if healthy and all(w in refused for w in healthy):
+                raise bad_request(
+                    f"The request needs more KV cache than any {role} worker has: prompt of "
+                    f"{len(progress.ids())} tokens + max_tokens {progress.remaining}. Send a shorter "
+                    "prompt or a smaller max_tokens.",
+                    param="max_tokens" if spec.max_tokens > len(spec.prompt_ids) else "prompt",
+                    code="kv_capacity_exceeded",
+                )
 
     async def generate(
         self, spec: GenerateSpec, deadline: float, timeout: float, first_room: int | None = None
     ) -> AsyncIterator[Chunk]:
         """Chunks of one request; raises APIError. Close it (aclose) to cancel the RPCs.
 
-        The first attempt uses `first_room` (the request id) when given; a retry gets a new room.
+        The first attempt uses `first_room` (the request id) when given; later ones get new rooms.
         """
         loop = asyncio.get_running_loop()
-        params = sampling_pb(spec, self.eos_ids)
+        base = sampling_params(spec, self.eos_ids)
+        progress = Progress(list(spec.prompt_ids), spec.max_tokens)
         exclude: set[Worker] = set()
+        refused: set[Worker] = set()
+        failovers = migrations = number = 0
+        failed_pairs: set[tuple[Worker, Worker]] = set()
+        repeats = 0  # attempts on a pair that already failed (when nothing else is healthy)
+        last_error: APIError | None = None
         attempt: Attempt | None = None
         completed = False
         try:
-            for number in (1, 2):
+            while True:
                 if loop.time() >= deadline:
                     raise deadline_exceeded(timeout)
+                if progress.remaining <= 0:  # every token arrived, only the finish reason was lost
+                    completed = True
+                    yield Chunk([], [], "length")
+                    return
+                self._check_capacity(refused, spec, progress)
                 prefill, decode = await self.pool.choose_pair(exclude)
+                if (prefill, decode) in failed_pairs:
+                    # Nothing else is healthy: the same pair gets one more chance, not more.
+                    repeats += 1
+                    if repeats > 1 and last_error is not None:
+                        prefill.inflight -= 1
+                        decode.inflight -= 1
+                        raise last_error
+                number += 1
                 room = first_room if number == 1 and first_room else new_room()
+                ids, params = progress.ids(), params_to_pb(progress.params(base))
+                # Not bound around the yields below: the caller may resume this generator from
+                # another task, where resetting a context variable set here would fail.
                 with structlog.contextvars.bound_contextvars(room=room):
                     try:
-                        attempt = Attempt(self, prefill, decode, room, spec.prompt_ids, params, deadline)
+                        attempt = Attempt(self.pool, self.reap, prefill, decode, room, ids, params, deadline,
+                                          self.stall_timeout)
                     except BaseException:
                         prefill.inflight -= 1
                         decode.inflight -= 1
                         raise
                     log.info("attempt", attempt=number, prefill=prefill.addr, decode=decode.addr,
-                             prompt_tokens=len(spec.prompt_ids), max_tokens=spec.max_tokens)
-                    try:
-                        first = await attempt.next()
-                        if first is None:
-                            raise WorkerFailure(decode, None, "decode stream ended before the first token")
-                        break
-                    except WorkerFailure as failure:
-                        attempt.close()
-                        self.pool.report_failure(failure.worker, failure.code)
-                        error, retryable = self._error(failure, deadline, timeout)
-                        log.warning("attempt failed", attempt=number, error=str(failure)[:500],
-                                    status=error.status, retry=retryable and number == 1)
-                        if not retryable or number == 2:
-                            raise error from None
-                        exclude |= retry_avoids(failure, prefill, decode)
-            completed = bool(first.finish_reason)
-            yield first
-            if completed:
-                return
-            while True:
+                             prompt_tokens=len(ids), max_tokens=progress.remaining, resumed_at=len(progress.generated))
                 try:
-                    chunk = await attempt.next()
+                    while True:
+                        chunk = await attempt.next()
+                        if chunk is None:
+                            raise WorkerFailure(decode, None, "decode stream ended without a finish reason",
+                                                kind="ended")
+                        progress.add(chunk.token_ids)
+                        completed = bool(chunk.finish_reason)
+                        yield chunk
+                        if completed:
+                            return
                 except WorkerFailure as failure:
+                    attempt.close()
                     self.pool.report_failure(failure.worker, failure.code)
-                    error, _ = self._error(failure, deadline, timeout)
-                    log.warning("stream failed", room=attempt.room, error=str(failure)[:500], status=error.status)
-                    raise error from None
-                if chunk is None:
-                    log.warning("decode stream ended without a finish reason", room=attempt.room)
-                    raise upstream_failed("the decode stream ended without a finish reason")
-                completed = bool(chunk.finish_reason)
-                yield chunk
-                if completed:
-                    return
+                    produced = attempt.got_first
+                    attempt = None
+                    if is_capacity_refusal(failure):
+                        log.warning("worker cannot hold the request; trying another", room=room, attempt=number,
+                                    error=str(failure)[:300])
+                        refused.add(failure.worker)
+                        exclude.add(failure.worker)
+                        continue
+                    error, retryable = self._error(failure, deadline, timeout)
+                    if produced:
+                        migrations += 1
+                        retryable = retryable and migrations <= self.max_migrations
+                    else:
+                        failovers += 1
+                        retryable = retryable and failovers <= MAX_FAILOVERS
+                    if not retryable:
+                        log.warning("attempt failed", room=room, attempt=number, error=str(failure)[:500],
+                                    status=error.status, tokens_sent=len(progress.generated))
+                        raise error from None
+                    exclude |= retry_avoids(failure, prefill, decode)
+                    failed_pairs.add((prefill, decode))
+                    last_error = error
+                    if produced:
+                        self._log_migration(failure, room, number, migrations, progress)
+                    else:
+                        log.warning("attempt failed; failing over", room=room, attempt=number,
+                                    error=str(failure)[:500], tokens_sent=len(progress.generated))
         finally:
             if attempt is not None:
                 attempt.close(completed)
+
+    def _log_migration(self, failure: WorkerFailure, room: int, number: int, migrations: int,
+                       progress: Progress) -> None:
+        reason = migration_reason(failure)
+        if self.metrics is not None:
+            self.metrics.inc(self.metrics.router_migrations, reason=reason)
+        log.warning("migrating request", reason=reason, room=room, attempt=number, migration=migrations,
+                    max_migrations=self.max_migrations, from_decode=failure.worker.addr,
+                    generated=len(progress.generated), remaining=progress.remaining, error=str(failure)[:300])

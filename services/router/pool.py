@@ -19,6 +19,8 @@
 - When a request finds no healthy worker of a role, the ejected ones are probed once on the
   spot (bounded by `timeout`) before the router answers 503, so a worker that just came back
   (restarted, or SIGCONT after a freeze) serves the very next request.
+- Attempts subscribe to ejections (`watch`): the moment the pool ejects a worker, every attempt
+  running on it hears of it and ends, instead of waiting on a worker known to be unhealthy.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import grpc
@@ -107,6 +109,7 @@ class WorkerPool:
         self._task: asyncio.Task | None = None
         self._probing: dict[Worker, asyncio.Task] = {}
         self._background: set[asyncio.Task] = set()
+        self._watchers: set[Callable[[Worker], None]] = set()
 
     @property
     def workers(self) -> list[Worker]:
@@ -228,6 +231,17 @@ class WorkerPool:
         else:
             log.warning("worker ejected", role=w.role, target=w.addr, reason=why, failures=w.failures)
         self._set_gauge(w)
+        if not healthy:
+            for notify in list(self._watchers):
+                try:
+                    notify(w)
+                except Exception as e:  # noqa: BLE001 - one bad listener must not hide the ejection from others
+                    log.error("ejection listener failed", error=repr(e))
+
+    def watch(self, notify: Callable[[Worker], None]) -> Callable[[], None]:
+        """Call notify(worker) whenever a worker is ejected; returns the unsubscribe function."""
+        self._watchers.add(notify)
+        return lambda: self._watchers.discard(notify)
 
     def _set_gauge(self, w: Worker) -> None:
         if self.metrics is not None:

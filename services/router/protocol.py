@@ -16,6 +16,9 @@ from services.common.tokenizer import ChatTemplateError, Tokenizer
 from services.router.errors import bad_request, invalid_type, model_not_found
 
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM any. A bound keeps stop matching cheap.
+# Longest stop string, in characters: holding back a possible partial match costs O(length²)
+# per generated token, so an unbounded string would let one request slow the router's loop.
+MAX_STOP_LENGTH = 256
 MAX_LOGPROBS = 20
 UINT32_MAX = (1 << 32) - 1
 UINT64_MASK = (1 << 64) - 1
@@ -179,6 +182,13 @@ def _stop(body: dict, vocab_size: int) -> tuple[list[str], list[int]]:
         raise invalid_type("stop", "a string or an array of strings", stop)
     if len(strings) > MAX_STOP_STRINGS:
         raise bad_request(f"At most {MAX_STOP_STRINGS} stop strings are allowed.", param="stop", code="invalid_value")
+    too_long = next((s for s in strings if len(s) > MAX_STOP_LENGTH), None)
+    if too_long is not None:
+        raise bad_request(
+            f"Stop strings may be at most {MAX_STOP_LENGTH} characters long (got one of {len(too_long)}).",
+            param="stop",
+            code="invalid_value",
+        )
     strings = [s for s in dict.fromkeys(strings) if s]  # an empty stop string would match at once
     ids = body.get("stop_token_ids")
     if ids is None:

@@ -60,7 +60,8 @@ async def run_until_disconnect(work: Awaitable, receive: Receive):
 class SSEResponse(Response):
     """Streams `events` (already-encoded SSE bytes) and stops them when the client disconnects.
 
-    `on_close(disconnected)` runs exactly once, after the stream ended or was cancelled.
+    `on_close(disconnected)` is awaited exactly once, after the stream ended or was cancelled,
+    and after `events` was closed explicitly (aclose), started or not.
     """
 
     media_type = "text/event-stream"
@@ -69,7 +70,7 @@ class SSEResponse(Response):
     def __init__(
         self,
         events: AsyncIterator[bytes],
-        on_close: Callable[[bool], None],
+        on_close: Callable[[bool], Awaitable[None]],
         bind: Callable[[], AbstractContextManager] = contextlib.nullcontext,
         headers: dict[str, str] | None = None,
     ):
@@ -98,4 +99,4 @@ class SSEResponse(Response):
             finally:
                 with contextlib.suppress(Exception):
                     await self.events.aclose()  # type: ignore[attr-defined]
-                self.on_close(disconnected)
+                await self.on_close(disconnected)

@@ -362,7 +362,8 @@ def test_invalid_argument_from_worker_is_400_without_retry(cluster):
     assert len(cluster.decodes[0].seen.rooms) == 1
 
 
-def test_failure_after_first_byte_ends_stream_with_error_and_keeps_connection(cluster):
+def test_failure_after_first_byte_ends_stream_with_error_and_keeps_connection(cluster_factory):
+    cluster = cluster_factory(max_migrations=0)  # with migration on, the request would move instead
     cluster.decodes[0].behaviour = Behaviour(mode="fail_after", after=3, times=1)
     conn = http.client.HTTPConnection("127.0.0.1", cluster.port, timeout=10)
     body = json.dumps(completion(stream=True, max_tokens=20))
@@ -503,6 +504,7 @@ def test_openai_sdk_against_fakes(cluster):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=5, n=2)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="hi")
-    cluster.decodes[0].behaviour = Behaviour(mode="fail_after", after=2, times=1)
+    # failing after every 2 tokens: the request migrates twice (--max-migrations), then gives up
+    cluster.decodes[0].behaviour = Behaviour(mode="fail_after", after=2)
     with pytest.raises(openai.APIError):
-        list(client.completions.create(model=MODEL, prompt="hi", max_tokens=5, stream=True))
+        list(client.completions.create(model=MODEL, prompt="hi", max_tokens=20, stream=True))

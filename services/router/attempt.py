@@ -1,0 +1,176 @@
+"""One attempt: a Prefill RPC and a Decode stream on one (prefill, decode) pair, bound to both.
+
+`Attempt.next()` returns decode's next chunk of tokens and raises `WorkerFailure` the moment
+the attempt can no longer succeed:
+
+- the Decode stream fails (`kind="error"`), or ends without a finish reason (`"ended"`);
+- before decode's first token: the Prefill RPC fails (decode still needs its KV);
+- the pool ejects the decode, or (before the first token) the prefill (`"ejected"`): the router
+  never waits on a worker it already knows is unhealthy;
+- the Decode stream is silent — no chunk of any kind, tokens or keep-alive — for longer than
+  `stall_timeout` (`"stalled"`). A decode that legitimately cannot step a room it holds
+  (waiting for KV pages, for prefill's forward or transfer, retracted) sends a keep-alive
+  chunk (no tokens) every second or so; a running room sends tokens. So silence means a frozen
+  or wedged decode, whatever its TCP connection says.
+
+Once decode's first token is in, decode holds the whole KV cache (the first token comes from the
+aux row that lands after the KV pages), so a late Prefill failure or ejection no longer matters.
+Both RPCs carry the request deadline as their gRPC timeout; `close()` cancels what is still
+open, which makes the workers abort the room.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
+from services.common.logging_setup import get_logger
+from services.router.pool import Worker, WorkerPool
+
+log = get_logger("router.attempt")
+
+
+@dataclass
+class Chunk:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "", "stop" or "length"
+
+
+class WorkerFailure(Exception):
+    """An attempt that cannot succeed. kind: error | ejected | stalled | ended."""
+
+    def __init__(self, worker: Worker, code: grpc.StatusCode | None, details: str, kind: str = "error"):
+        super().__init__(f"{worker!r}: {code.name if code else kind.upper()}: {details}")
+        self.worker, self.code, self.details, self.kind = worker, code, details, kind
+
+
+def rpc_failure(worker: Worker, exc: BaseException) -> WorkerFailure:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return WorkerFailure(worker, exc.code(), exc.details() or "")
+    if isinstance(exc, asyncio.CancelledError):
+        return WorkerFailure(worker, grpc.StatusCode.CANCELLED, "RPC cancelled")
+    return WorkerFailure(worker, None, repr(exc))
+
+
+class Attempt:
+    """Both RPCs of one try. The pair arrives reserved by WorkerPool.choose_pair; the attempt
+    releases decode's slot on close and prefill's when the Prefill RPC ends."""
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        reap: Callable[[asyncio.Task, object, float], None],
+        prefill: Worker,
+        decode: Worker,
+        room: int,
+        ids: list[int],
+        params: wpb.SamplingParams,
+        deadline: float,
+        stall_timeout: float,
+    ):
+        self.pool, self._reap = pool, reap
+        self.prefill, self.decode, self.room = prefill, decode, room
+        self.deadline, self.stall_timeout = deadline, stall_timeout
+        loop = asyncio.get_running_loop()
+        timeout = max(0.001, deadline - loop.time())
+        self._prefill_call = prefill.stub.Prefill(
+            wpb.PrefillRequest(room=room, token_ids=ids, params=params), timeout=timeout
+        )
+        self._decode_call = decode.stub.Decode(
+            wpb.DecodeRequest(room=room, prefill_addr=prefill.addr, token_ids=ids, params=params), timeout=timeout
+        )
+        self._prefill_task = asyncio.ensure_future(self._run_prefill())
+        self._prefill_task.add_done_callback(self._prefill_done)
+        self._read: asyncio.Future | None = None
+        self._ejected: asyncio.Future = loop.create_future()  # result: the ejected worker
+        self._unwatch = pool.watch(self._on_ejected)
+        self._last_heard = loop.time()  # the stall clock: last chunk of any kind (or the start)
+        self.got_first = False  # decode has sent a token: the client may have seen bytes of this attempt
+        self._closed = False
+
+    async def _run_prefill(self) -> wpb.PrefillReply:
+        return await self._prefill_call
+
+    def _prefill_done(self, task: asyncio.Task) -> None:
+        self.prefill.inflight -= 1
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None and self.got_first:
+            failure = rpc_failure(self.prefill, exc)
+            log.warning("prefill failed after decode had the KV; stream continues", room=self.room,
+                        prefill=self.prefill.addr, error=str(failure)[:300])
+            self.pool.report_failure(self.prefill, failure.code)
+
+    def _on_ejected(self, worker: Worker) -> None:
+        if self._ejected.done():
+            return
+        if worker is self.decode or (worker is self.prefill and not self.got_first):
+            self._ejected.set_result(worker)
+
+    async def next(self) -> Chunk | None:
+        """The next chunk with tokens, or None at the end of the stream. Raises WorkerFailure."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if self._read is None:
+                self._read = asyncio.ensure_future(self._decode_call.read())
+            waits = {self._read, self._ejected}
+            if not self.got_first and not self._prefill_task.done():
+                waits.add(self._prefill_task)
+            stall_at = self._last_heard + self.stall_timeout
+            await asyncio.wait(waits, timeout=max(0.0, stall_at - loop.time()), return_when=asyncio.FIRST_COMPLETED)
+            if self._read.done():
+                read, self._read = self._read, None
+                if read.cancelled() or read.exception() is not None:
+                    raise rpc_failure(self.decode, asyncio.CancelledError() if read.cancelled() else read.exception())
+                msg = read.result()
+                if msg is grpc.aio.EOF:
+                    return None
+                self._last_heard = loop.time()
+                if not msg.token_ids and not msg.finish_reason:
+                    continue  # a keep-alive: decode holds the room and is alive
+                self.got_first = True
+                return Chunk(list(msg.token_ids), list(msg.logprobs), msg.finish_reason)
+            if self._ejected.done():
+                worker = self._ejected.result()
+                raise WorkerFailure(worker, None, "ejected by the worker pool (failed health checks)", kind="ejected")
+            if not self.got_first and self._prefill_task.done():
+                failure = self._prefill_failure()
+                if failure is not None:
+                    raise failure
+                # prefill replied; decode's first token is on its way (the stall clock still runs)
+            if loop.time() >= stall_at:
+                raise WorkerFailure(self.decode, None, f"no chunk for {self.stall_timeout:g} s", kind="stalled")
+
+    def _prefill_failure(self) -> WorkerFailure | None:
+        task = self._prefill_task
+        if task.cancelled():
+            return WorkerFailure(self.prefill, grpc.StatusCode.CANCELLED, "Prefill RPC cancelled")
+        exc = task.exception()
+        return None if exc is None else rpc_failure(self.prefill, exc)
+
+    def close(self, completed: bool = False) -> None:
+        """End both RPCs (idempotent). Called on success, failure, stop string and disconnect.
+
+        completed: decode finished the stream; a Prefill reply still on its way is then awaited in
+        the background (bounded by the deadline). Otherwise the Prefill RPC is cancelled too.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._unwatch()
+        if self._read is not None and not self._read.done():
+            self._read.cancel()
+        self._decode_call.cancel()  # no-op when the stream already finished
+        self.decode.inflight -= 1
+        if not self._prefill_task.done():
+            if completed:
+                self._reap(self._prefill_task, self._prefill_call, self.deadline)
+            else:
+                self._prefill_call.cancel()
+                self._prefill_task.cancel()

@@ -1,0 +1,121 @@
+"""Request schemas of the OpenAI endpoints, for FastAPI's /openapi.json and /docs only.
+
+The routes read and validate bodies themselves (services/router/protocol.py): the order of
+checks (401 → 429 → 413 → 400) and OpenAI-style error bodies need the raw request. These
+pydantic models only *describe* what protocol.py accepts, so clients can generate code and
+fuzzers (schemathesis) can target the API; they are attached to the routes with
+`openapi_extra`. Unknown fields are accepted (and ignored), as by the router.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import models_json_schema
+
+from services.router.protocol import MAX_STOP_LENGTH, MAX_STOP_STRINGS
+
+StopStrings = str | list[str]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = None
+
+
+class _Sampling(_Body):
+    model: str = Field(description="The served model name (see GET /v1/models)")
+    max_tokens: int | None = Field(None, ge=1, description="Tokens to generate (prompt + max_tokens ≤ context)")
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1, description="0 means only the most likely token")
+    top_k: int | None = Field(None, ge=-1, description="vLLM extension; 0 or -1 disables")
+    seed: int | None = Field(None, description="Same seed and parameters give the same text")
+    stop: StopStrings | None = Field(
+        None, description=f"Up to {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} characters"
+    )
+    stop_token_ids: list[int] | None = Field(None, description="vLLM extension")
+    ignore_eos: bool | None = Field(None, description="vLLM extension")
+    skip_special_tokens: bool | None = Field(None, description="vLLM extension")
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(None, description="Only 1 is supported")
+    presence_penalty: float | None = Field(None, description="Only 0 is supported")
+    frequency_penalty: float | None = Field(None, description="Only 0 is supported")
+    logit_bias: dict[str, float] | None = Field(None, description="Only empty is supported")
+    user: str | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="A string or token ids (a one-element list of either is accepted too)"
+    )
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool | None = None
+    best_of: int | None = Field(None, description="Only 1 is supported")
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"] = Field(description="Only 'text' is supported")
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM extension")
+    add_generation_prompt: bool | None = Field(None, description="vLLM extension")
+
+
+MODELS = (CompletionRequest, ChatCompletionRequest)
+
+
+def component_schemas() -> dict[str, Any]:
+    """JSON schemas of the request models and everything they use, keyed by name."""
+    _, top = models_json_schema([(m, "validation") for m in MODELS], ref_template="#/components/schemas/{model}")
+    return top.get("$defs", {})
+
+
+def request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """`openapi_extra` for a route whose body is `model` (JSON)."""
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+        }
+    }
+
+
+def error_responses() -> dict[int | str, dict[str, Any]]:
+    """The statuses a generation request may answer with, besides 200."""
+    text = {
+        400: "Invalid request (OpenAI-style error body)",
+        401: "Missing or wrong API key",
+        404: "Unknown model",
+        413: "Body too large",
+        429: "Too many concurrent requests",
+        503: "No healthy worker, or the request failed on the workers",
+        504: "Request deadline passed",
+    }
+    return {status: {"description": desc} for status, desc in text.items()}
+
+
+def add_components(schema: dict[str, Any]) -> dict[str, Any]:
+    schema.setdefault("components", {}).setdefault("schemas", {}).update(component_schemas())
+    return schema

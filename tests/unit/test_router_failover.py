@@ -1,0 +1,265 @@
+"""Fail-over before the first byte and migration after it, against scripted gRPC workers.
+
+The fake decodes run in `positional` mode: the token at absolute position p is script[p % len],
+as the real workers' (seed, position)-keyed sampling makes it, so a request re-submitted with
+prompt + generated ids continues the same sequence and the expected text is known exactly.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import httpx
+import pytest
+
+from services.common.builtin_tokenizer import BuiltinTokenizer
+from tests.fake_workers import Behaviour
+from tests.unit.test_router_app import MODEL, Cluster, completion, post, sse_payloads, wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+PROMPT = "hi"
+PROMPT_LEN = len(BuiltinTokenizer().encode(PROMPT))  # what the fake decode sees (bos included)
+
+
+@pytest.fixture
+def make():
+    made: list[Cluster] = []
+
+    def factory(**kw) -> Cluster:
+        c = Cluster(**kw)
+        for d in c.decodes:
+            d.positional = True
+        made.append(c)
+        return c
+
+    yield factory
+    for c in made:
+        c.close()
+
+
+def expected(c: Cluster, n: int, prompt_len: int = PROMPT_LEN) -> str:
+    script = c.decodes[0].script
+    return bytes(script[(prompt_len + i) % len(script)] for i in range(n)).decode()
+
+
+def stream_text(c: Cluster, **kw) -> tuple[str, list]:
+    r = post(c, "/v1/completions", completion(prompt=PROMPT, stream=True, **kw))
+    assert r.status_code == 200, r.text
+    events = sse_payloads(r.text)
+    assert not any("error" in e for e in events), events[-1]
+    return "".join(e["choices"][0]["text"] for e in events if e.get("choices")), events
+
+
+# --- migration after the first byte ----------------------------------------------------------------
+
+
+def test_streamed_request_migrates_when_its_decode_fails(make):
+    c = make(n_decode=2)
+    d0, d1 = c.decodes
+    d0.behaviour = Behaviour(mode="fail_after", after=3, code=grpc.StatusCode.UNAVAILABLE)
+    text, events = stream_text(c, max_tokens=12, seed=7, logprobs=0, stream_options={"include_usage": True})
+    assert text == expected(c, 12)
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert events[-1]["usage"] == {"prompt_tokens": PROMPT_LEN, "completion_tokens": 12,
+                                   "total_tokens": PROMPT_LEN + 12}
+    lps = [lp for e in events if e.get("choices") and e["choices"][0]["logprobs"]
+           for lp in e["choices"][0]["logprobs"]["token_logprobs"]]
+    assert len(lps) == 12  # logprobs continue across the move
+    moved = d1.seen.requests[0]
+    first = d0.seen.requests[0]
+    script = c.decodes[0].script
+    assert list(moved.token_ids) == [*first.token_ids, *(script[(PROMPT_LEN + i) % len(script)] for i in range(3))]
+    assert moved.params.max_tokens == 9 and moved.params.seed == first.params.seed == 7
+    assert c.prefills[0].seen.requests[-1].token_ids == moved.token_ids  # prefill recomputes prompt + generated
+    c.all_rpcs_ended()
+    assert c.metric("pdmesh:router_migrations_total", reason="decode_failed") == 1
+    assert c.metric("pdmesh:router_requests_total", status="200") == 1
+
+
+def test_non_streamed_request_migrates(make):
+    c = make(n_decode=2)
+    c.decodes[0].behaviour = Behaviour(mode="fail_after", after=4, code=grpc.StatusCode.INTERNAL)
+    r = post(c, "/v1/completions", completion(prompt=PROMPT, max_tokens=10))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["text"] == expected(c, 10) and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["prompt_tokens"] == PROMPT_LEN and body["usage"]["completion_tokens"] == 10
+    c.all_rpcs_ended()
+
+
+def test_stop_string_spanning_the_migration_point(make):
+    c = make(n_decode=2)
+    full = expected(c, 12)
+    stop = full[2:5]  # "lo," with the default script: the match straddles token 3 (the move)
+    c.decodes[0].behaviour = Behaviour(mode="fail_after", after=3)
+    text, events = stream_text(c, max_tokens=12, stop=[stop])
+    assert text == full[: full.index(stop)] and events[-1]["choices"][0]["finish_reason"] == "stop"
+    c.all_rpcs_ended()
+
+
+def test_silent_decode_mid_stream_is_a_stall_and_migrates(make):
+    c = make(n_decode=2, stream_stall_timeout=0.4, health_check_interval=30)  # only the stall rule can act
+    c.decodes[0].behaviour = Behaviour(mode="hang_after", after=3)
+    t0 = time.monotonic()
+    text, _ = stream_text(c, max_tokens=8)
+    assert text == expected(c, 8) and time.monotonic() - t0 < 3
+    c.all_rpcs_ended()
+    assert c.decodes[0].seen.cancelled == 1  # the stalled stream was cancelled: decode aborts the room
+    assert c.metric("pdmesh:router_migrations_total", reason="decode_stalled") == 1
+
+
+def test_ejected_decode_mid_stream_migrates_at_once(make):
+    c = make(n_decode=2, stream_stall_timeout=30)
+    d0 = c.decodes[0]
+    d0.behaviour = Behaviour(mode="hang_after", after=3)
+    with httpx.Client(timeout=10) as client:
+        with client.stream("POST", c.url + "/v1/completions",
+                           json=completion(prompt=PROMPT, stream=True, max_tokens=8)) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            wait_for(lambda: d0.seen.active == 1 and len(d0.seen.rooms) == 1, what="d0 streaming")
+            t0 = time.monotonic()
+            d0.set_serving(False)  # the pool ejects it; the attempt hears of it at once
+            body = "\n".join([*lines])
+    assert time.monotonic() - t0 < 3
+    assert '"error"' not in body and body.strip().endswith("data: [DONE]")
+    c.all_rpcs_ended()
+    assert c.metric("pdmesh:router_migrations_total", reason="decode_ejected") == 1
+
+
+def test_migrations_are_bounded(make):
+    c = make(n_decode=2, max_migrations=1)
+    for d in c.decodes:
+        d.behaviour = Behaviour(mode="fail_after", after=2)
+    r = post(c, "/v1/completions", completion(prompt=PROMPT, stream=True, max_tokens=20))
+    events = sse_payloads(r.text)
+    assert events[-1]["error"]["code"] == "worker_failure"
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == expected(c, 4)
+    c.all_rpcs_ended()
+    assert c.metric("pdmesh:router_migrations_total") == 1
+
+
+# --- fail-over before the first byte ----------------------------------------------------------------
+
+
+def test_ejected_decode_before_first_token_fails_over_at_once(make):
+    c = make(n_decode=2, stream_stall_timeout=30)
+    d0, d1 = c.decodes
+    d0.behaviour = Behaviour(mode="hang")
+    t0 = time.monotonic()
+    box = {}
+    import threading
+
+    th = threading.Thread(target=lambda: box.setdefault("r", post(c, "/v1/completions", completion(prompt=PROMPT))))
+    th.start()
+    wait_for(lambda: d0.seen.active == 1, what="d0 holds the request")
+    d0.set_serving(False)
+    th.join(10)
+    assert box["r"].status_code == 200 and box["r"].json()["choices"][0]["text"] == expected(c, 5)
+    assert time.monotonic() - t0 < 3 and len(d1.seen.rooms) == 1
+    c.all_rpcs_ended()
+
+
+def test_silent_decode_before_first_token_fails_over(make):
+    c = make(n_decode=2, stream_stall_timeout=0.4, health_check_interval=30)
+    c.decodes[0].behaviour = Behaviour(mode="hang")
+    t0 = time.monotonic()
+    r = post(c, "/v1/completions", completion(prompt=PROMPT))
+    assert r.status_code == 200 and time.monotonic() - t0 < 3
+    c.all_rpcs_ended()
+    assert c.decodes[0].seen.cancelled == 1
+
+
+def test_keepalive_chunks_are_not_silence(make):
+    c = make(stream_stall_timeout=0.3)
+    c.decodes[0].behaviour = Behaviour(delay=1.2, keepalive=0.1)  # waiting (e.g. for KV) 4x the stall timeout
+    r = post(c, "/v1/completions", completion(prompt=PROMPT))
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected(c, 5)
+    assert len(c.decodes[0].seen.rooms) == 1  # no fail-over
+    c.all_rpcs_ended()
+
+
+def test_only_decode_ejected_is_503_at_once(make):
+    c = make(stream_stall_timeout=30, request_timeout=30)
+    d = c.decodes[0]
+    d.behaviour = Behaviour(mode="hang")
+    import threading
+
+    box = {}
+    th = threading.Thread(target=lambda: box.setdefault("r", post(c, "/v1/completions", completion(prompt=PROMPT))))
+    th.start()
+    wait_for(lambda: d.seen.active == 1, what="decode holds the request")
+    t0 = time.monotonic()
+    d.health.frozen = True  # probes time out: ejected after the threshold
+    th.join(10)
+    r = box["r"]
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_workers", r.text
+    assert time.monotonic() - t0 < 2
+    d.health.frozen = False
+    d.behaviour = Behaviour()
+    assert post(c, "/v1/completions", completion(prompt=PROMPT)).status_code == 200  # probed on the spot
+    c.all_rpcs_ended()
+
+
+# --- capacity refusals -----------------------------------------------------------------------------
+
+REFUSAL = "prompt of 3 tokens needs more KV pages than this worker has"
+
+
+def test_capacity_refusal_is_retried_on_another_decode(make):
+    c = make(n_decode=2)
+    c.decodes[0].behaviour = Behaviour(mode="fail", code=grpc.StatusCode.INVALID_ARGUMENT, details=REFUSAL)
+    r = post(c, "/v1/completions", completion(prompt=PROMPT))
+    assert r.status_code == 200 and len(c.decodes[1].seen.rooms) == 1
+    c.all_rpcs_ended()
+
+
+def test_capacity_refusal_everywhere_is_400(make):
+    c = make(n_decode=2)
+    for d in c.decodes:
+        d.behaviour = Behaviour(mode="fail", code=grpc.StatusCode.INVALID_ARGUMENT, details=REFUSAL)
+    r = post(c, "/v1/completions", completion(prompt=PROMPT))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "kv_capacity_exceeded", r.text
+    assert [len(d.seen.rooms) for d in c.decodes] == [1, 1]
+    c.all_rpcs_ended()
+
+
+# --- smaller contracts ------------------------------------------------------------------------------
+
+
+def test_429_comes_before_the_body_is_read(make):
+    import threading
+
+    c = make(max_concurrent_requests=1)
+    c.decodes[0].behaviour = Behaviour(delay=0.5)
+    th = threading.Thread(target=lambda: post(c, "/v1/completions", completion()))
+    th.start()
+    wait_for(lambda: c.router.active == 1, what="the first request to be admitted")
+    r = httpx.post(c.url + "/v1/completions", content=b"{not json", timeout=10,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
+    th.join(10)
+    c.all_rpcs_ended()
+
+
+def test_stop_strings_have_a_length_cap(make):
+    c = make()
+    r = post(c, "/v1/completions", completion(stop=["x" * 257]))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
+    assert post(c, "/v1/completions", completion(stop=["x" * 256])).status_code == 200
+
+
+def test_openapi_describes_the_openai_endpoints(make):
+    c = make()
+    schema = httpx.get(c.url + "/openapi.json").json()
+    for path, model in (("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatCompletionRequest")):
+        body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{model}"}
+        assert model in schema["components"]["schemas"]
+    assert "messages" in schema["components"]["schemas"]["ChatCompletionRequest"]["required"]
+    assert {"/v1/models", "/health"} <= set(schema["paths"])
+    docs = httpx.get(c.url + "/docs")
+    assert docs.status_code == 200 and "swagger" in docs.text.lower()
+    assert MODEL  # the served name the schema's examples refer to

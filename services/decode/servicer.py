@@ -1,6 +1,14 @@
-"""gRPC `Decode` service: a server stream of token chunks per room."""
+"""gRPC `Decode` service: a server stream of token chunks per room.
+
+While the worker holds a room but no forward is computing for it (waiting for pages, for
+prefill, retracted, or beyond the batch limit), the stream carries a keep-alive chunk every
+`keepalive_interval` seconds, so the router can tell a waiting decode from a frozen one: a
+stream silent for longer than its --stream-stall-timeout means no progress (docs/router.md).
+"""
 
 from __future__ import annotations
+
+import asyncio
 
 import grpc
 
@@ -15,8 +23,9 @@ log = get_logger("decode.rpc")
 
 
 class DecodeServicer(wpb_grpc.DecodeServicer):
-    def __init__(self, worker: DecodeWorker):
+    def __init__(self, worker: DecodeWorker, keepalive_interval: float = 1.0):
         self.worker = worker
+        self.keepalive_interval = keepalive_interval
 
     async def Decode(self, request, context):
         room = request.room
@@ -39,7 +48,12 @@ class DecodeServicer(wpb_grpc.DecodeServicer):
             done = False
             try:
                 while True:
-                    item = await job.out.get()
+                    try:
+                        item = await asyncio.wait_for(job.out.get(), self.keepalive_interval)
+                    except TimeoutError:
+                        if not self.worker.is_computing(job):
+                            yield wpb.DecodeChunk(keepalive=True, prompt_tokens=len(ids))
+                        continue
                     if isinstance(item, DecodeFailed):
                         done = True
                         await context.abort(getattr(grpc.StatusCode, item.code), f"room {room}: {item.reason}")

@@ -43,9 +43,8 @@ class PrefillServicer(wpb_grpc.PrefillServicer):
                 self.worker.abort(room, "Prefill RPC cancelled by the caller")
                 raise
             except RoomFailed as e:
-                code = grpc.StatusCode.DEADLINE_EXCEEDED if e.deadline_exceeded else grpc.StatusCode.UNAVAILABLE
-                log.info("prefill failed", reason=e.reason)
-                await context.abort(code, f"room {room}: {e.reason}")
+                log.info("prefill failed", reason=e.reason, code=e.code)
+                await context.abort(getattr(grpc.StatusCode, e.code), f"room {room}: {e.reason}")
             log.info("prefill done", kv_bytes=result.kv_bytes, kv_seconds=round(result.kv_transfer_seconds, 6))
             return wpb.PrefillReply(
                 room=room,

@@ -1,0 +1,121 @@
+"""Decode admission: KV pages for new rooms, the Attach to prefill, and quarantine.
+
+A room is admitted in arrival order once pages for its prompt (+1 token) are free; retracted
+requests come first (they arrived earlier and hold the batch's priority), so admission waits
+while any is retracted and is woken again when the last one resumes. Admission then attaches the room
+to its prefill (decode's page ids travel in the Attach) and the job waits for its KV.
+
+Late writes: once an Attach may have reached prefill, prefill can WRITE into those pages until it
+lets go of the room, so the pages of a room that ends before its KV arrived are quarantined —
+held back from the pool — until prefill confirms it let go (or is gone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import grpc
+
+from services.common.logging_setup import bound_room, get_logger
+from services.decode.jobs import Job, Phase
+from services.engine.page_allocator import OutOfPages
+from services.transfer.bootstrap import BootstrapCallError
+
+log = get_logger("decode.admission")
+
+
+class Admission:
+    def __init__(self, worker, quarantine_max: float, quarantine_retry: float):
+        self.worker = worker  # services.decode.worker.DecodeWorker
+        self.pool = worker.engine.pool
+        self.coordinator = worker.coordinator
+        self.attaching: set[Job] = set()  # jobs whose Attach RPC is in flight
+        self.quarantined: dict[int, list[int]] = {}
+        self.quarantine_max = quarantine_max
+        self.quarantine_retry = quarantine_retry
+        self._work = asyncio.Event()
+        self._froze_once = False
+
+    def wake(self) -> None:
+        self._work.set()
+
+    @property
+    def pages_quarantined(self) -> int:
+        return sum(len(p) for p in self.quarantined.values())
+
+    async def loop(self) -> None:
+        while True:
+            await self._work.wait()
+            self._work.clear()
+            self.admit()
+
+    def admit(self) -> None:
+        jobs = self.worker.jobs.values()
+        if any(j.phase is Phase.RETRACTED for j in jobs):
+            return  # retracted requests get freed pages first; their resume wakes us again
+        for job in sorted((j for j in jobs if j.phase is Phase.PREALLOC), key=lambda j: j.seq):
+            # prompt KV plus room for the first decode step; more pages come on demand
+            try:
+                job.pages = self.pool.allocator.alloc(self.pool.pages_for_tokens(len(job.token_ids) + 1), owner=job.room)
+            except OutOfPages:
+                return  # FIFO: the head waits for pages (bounded by --prealloc-timeout)
+            job.phase = Phase.ATTACHING
+            self.attaching.add(job)
+            self.worker.spawn(self._attach(job))
+
+    async def _attach(self, job: Job) -> None:
+        prompt_pages = job.pages[: self.pool.pages_for_tokens(len(job.token_ids))]
+        try:
+            ok = await self.coordinator.attach(job.room, job.prefill_addr, prompt_pages)
+        finally:
+            self.attaching.discard(job)
+        if job.finished:  # failed (abort, watchdog) while the attach RPC was in flight
+            self.worker.release(job)
+            return
+        if not ok:
+            r = self.worker.receiver.rooms.get(job.room)
+            self.worker.metrics.inc(self.worker.metrics.num_bootstrap_failed_reqs)
+            self.worker.fail(job, (r.reason if r else None) or "attach failed", "UNAVAILABLE")
+            return
+        if job.phase is Phase.ATTACHING:  # the KV may already have arrived (RUNNING)
+            job.phase = Phase.AWAITING_KV
+        if self.worker.faults.sigstop_after_attach and not self._froze_once:
+            self._froze_once = True
+            log.warning("FAULT INJECTION: freezing this process (SIGSTOP) right after attach", room=job.room)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    # --- quarantine --------------------------------------------------------------------------
+    def quarantine(self, room: int, prefill_addr: str, pages: list[int]) -> None:
+        self.quarantined[room] = pages
+        self.worker.spawn(self._release_when_prefill_lets_go(room, prefill_addr, pages))
+
+    async def _release_when_prefill_lets_go(self, room: int, prefill_addr: str, pages: list[int]) -> None:
+        """Abort the room on prefill, then free its quarantined pages. Prefill lets go when it
+        answers the abort (it fails the room and cancels its WRITE) or when it is gone
+        (connection refused: nothing can write any more). A prefill that does not answer
+        (frozen) keeps the pages quarantined, retried, for at most `quarantine_max` seconds."""
+        client = self.coordinator.client(prefill_addr)
+        give_up = time.monotonic() + self.quarantine_max
+        with bound_room(room):
+            while True:
+                try:
+                    await client.abort(room, "decode released the room", self.worker.receiver.agent_name)
+                    break
+                except BootstrapCallError as e:
+                    if e.code == grpc.StatusCode.UNAVAILABLE:
+                        log.info("prefill gone: releasing quarantined pages", prefill=prefill_addr)
+                        break
+                    if time.monotonic() > give_up:
+                        log.warning("prefill never confirmed the abort: releasing quarantined pages",
+                                    prefill=prefill_addr, error=str(e))
+                        break
+                except Exception as e:  # noqa: BLE001 - e.g. a protocol mismatch: nothing more to wait for
+                    log.warning("abort to prefill failed: releasing quarantined pages", error=str(e))
+                    break
+                await asyncio.sleep(self.quarantine_retry)
+        del self.quarantined[room]
+        self.pool.allocator.free(pages, owner=room)
+        self.worker.pages_freed()

@@ -1,0 +1,80 @@
+"""A decode job: one Decode RPC's room, its phase, and what it streams (no torch, no nixl).
+
+  PREALLOC     waiting for KV pages for its prompt (+1 token)
+  ATTACHING    pages held; the Attach RPC to prefill is in flight — prefill may learn the page
+               ids and WRITE into them from here until it lets go of the room
+  AWAITING_KV  attached: prefill computes (phase 1, bounded by its liveness and progress) or
+               sends (phase 2, bounded by --transfer-timeout); the receiver's room state says which
+  RUNNING      KV and first token arrived: in the decode batch, one token per step
+  RETRACTED    gave its pages back when the pool ran dry; recomputes its KV to rejoin the batch
+  FINISHED     last chunk or failure delivered; pages released once nothing uses them
+
+Every stop, length, failure, abort and eviction ends in `DecodeWorker.finish(job, failure)`.
+Whether an operation still uses a job's pages (an attach RPC, a forward) is known to the
+component running that operation, not stored on the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+from services.common.sampling_params import SamplingParams
+
+
+class Phase(enum.IntEnum):
+    PREALLOC = 0
+    ATTACHING = 1
+    AWAITING_KV = 2
+    RUNNING = 3
+    RETRACTED = 4
+    FINISHED = 5
+
+
+# Phases in which prefill knows the job's page ids and may still WRITE into them: pages of a
+# job that ends here are quarantined until prefill lets go of the room.
+PAGES_EXPOSED = (Phase.ATTACHING, Phase.AWAITING_KV)
+
+
+class DecodeFailed(Exception):
+    def __init__(self, reason: str, code: str = "UNAVAILABLE"):
+        super().__init__(reason)
+        self.reason = reason
+        self.code = code  # gRPC status code name
+
+
+@dataclass
+class Tokens:
+    """One streamed chunk."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    completion_tokens: int
+
+
+@dataclass(eq=False)
+class Job:
+    room: int
+    token_ids: list[int]  # the prompt
+    params: SamplingParams
+    prefill_addr: str
+    seq: int  # arrival order: the priority for pages, batch slots and retraction
+    out: asyncio.Queue  # Tokens | DecodeFailed, read by the servicer
+    phase: Phase = Phase.PREALLOC
+    ended_in: Phase | None = None  # the phase it was in when it finished
+    created_at: float = field(default_factory=time.monotonic)
+    pages: list[int] | None = None
+    output: list[int] = field(default_factory=list)
+    last_token_at: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.phase is Phase.FINISHED
+
+    @property
+    def context_len(self) -> int:
+        """Tokens whose KV the next step needs in the cache, plus the one it feeds."""
+        return len(self.token_ids) + len(self.output)

@@ -1,0 +1,71 @@
+"""A prefill job: one Prefill RPC's room, its phase, and how it ended (no torch, no nixl).
+
+One phase enum says where the job is; everything else is derived. The transfer layer's room
+state (services/transfer/state.py) says where the KV transfer is — whether decode attached,
+whether the WRITE is done — and the worker turns its terminal states into the job's outcome.
+
+  QUEUED    waiting for decode's Attach, or attached and waiting for its next chunk
+  FORWARD   one of its chunks is in the engine (its pages are in use by the forward)
+  INFLIGHT  final chunk done, first token sampled, KV WRITE posted to decode
+  FINISHED  outcome delivered to the RPC; pages go back once no forward holds them
+
+Every success, failure, abort and eviction ends in `PrefillWorker.finish(job, outcome)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+from services.common.sampling_params import SamplingParams
+
+
+class Phase(enum.IntEnum):
+    QUEUED = 0
+    FORWARD = 1
+    INFLIGHT = 2
+    FINISHED = 3
+
+
+class RoomFailed(Exception):
+    """The room ended without its KV reaching decode. `code` is the gRPC status code name the
+    Prefill RPC fails with (DEADLINE_EXCEEDED for watchdog evictions, CANCELLED for aborts)."""
+
+    def __init__(self, reason: str, code: str = "UNAVAILABLE"):
+        super().__init__(reason)
+        self.reason = reason
+        self.code = code
+
+
+@dataclass
+class PrefillResult:
+    first_token: int
+    first_logprob: float
+    prompt_tokens: int
+    kv_bytes: int
+    kv_transfer_seconds: float
+
+
+@dataclass(eq=False)
+class Job:
+    room: int
+    token_ids: list[int]
+    params: SamplingParams
+    seq: int  # arrival order
+    future: asyncio.Future  # PrefillResult, or RoomFailed
+    phase: Phase = Phase.QUEUED
+    created_at: float = field(default_factory=time.monotonic)
+    pages: list[int] | None = None  # allocated at its first chunk, held until the WRITE is done
+    prefilled: int = 0  # prompt tokens whose KV is computed
+    first_token: int = -1
+    first_logprob: float = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.phase is Phase.FINISHED
+
+    @property
+    def remaining(self) -> int:
+        return len(self.token_ids) - self.prefilled

@@ -128,3 +128,52 @@ def test_coordinator_fails_phase1_on_a_stuck_forward_and_tracks_generations():
         assert coord.prefill_generation("p:1") == 2  # declared dead
 
     asyncio.run(run())
+
+
+def test_quarantine_over_grpc_waits_for_quiesced_then_frees():
+    """Real gRPC (in-process), fake NIXL: decode's Quarantine keeps the pages while prefill's
+    Abort answers quiesced=false (a deferred handle), frees them once a sweep released it, and
+    the forward age travels in the heartbeat reply."""
+    import grpc as _grpc
+
+    from services.decode.quarantine import Quarantine
+    from services.transfer import bootstrap as bs
+    from services.transfer.receiver import KVReceiver
+    from tests.unit.test_quarantine import FakeAllocator
+    from tests.unit.test_transfer_managers import FakeAgent, Pool
+
+    async def run():
+        s, agent, clock, done = make_sender()
+        ref = Refusing(agent)
+        server = _grpc.aio.server()
+        bs.add_bootstrap_servicer(server, s, forward_age=lambda: 7.5)
+        addr = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+        rx = KVReceiver(FakeAgent("D1", 10, 1_000_000, 2_000_000), Pool())
+        coord = bs.KVReceiveCoordinator(rx, "decode-0", rpc_timeout=2, heartbeat_interval=0.05)
+        alloc = FakeAllocator()
+        q = Quarantine(coord, alloc, lambda: None, max_wait=30, retry=0.02)
+        try:
+            rx.create_room(1, addr)
+            assert await coord.attach(1, addr, [3, 4])
+            s.create_room(1)
+            s.send(1, [0, 1], 9, -0.5)  # WRITE in flight
+            hb = await coord.client(addr).heartbeat("D1", 10, [1])
+            assert hb.forward_age == 7.5
+            rx.fail(1, "client went away")
+            q.hold(1, addr, [3, 4])
+            await asyncio.sleep(0.2)
+            assert q.pages_held() == 2 and not alloc.freed  # aborted, but NIXL still holds the handle
+            ref.refuse = False
+            s.sweep()
+            for _ in range(100):
+                if not q.held:
+                    break
+                await asyncio.sleep(0.01)
+            assert alloc.freed == [([3, 4], 1)] and q.released == {"quiesced": 1}
+        finally:
+            await q.close()
+            await coord.close()
+            await server.stop(None)
+
+    asyncio.run(run())

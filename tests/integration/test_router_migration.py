@@ -1,0 +1,161 @@
+"""Migration after the first byte, against real processes (1 prefill + 2 decodes, real gRPC and NIXL).
+
+A streamed completion of 1,500 tokens with ignore_eos; after 40 chunks the decode running it is
+SIGKILLed (or SIGSTOPped, thawed after the stream ended): the client's stream completes with
+finish_reason "length", no error event, and exactly the text of an uninterrupted run — greedy,
+and with seeded sampling (temperature 0.8). The built-in model's context is 8192 positions,
+so prompt + 1,500 fits with room to spare.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from services.common.builtin_tokenizer import BuiltinTokenizer
+from tests.integration.mesh import Mesh, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+MODEL = "pdmesh-tiny"
+TOK = BuiltinTokenizer()
+PREFILL_FLAGS = ("--inflight-timeout", "2", "--watchdog-interval", "0.5", "--bootstrap-timeout", "4")
+DECODE_FLAGS = ("--watchdog-interval", "0.5", "--heartbeat-interval", "0.5", "--transfer-timeout", "3",
+                "--prealloc-timeout", "4")
+STALL_TIMEOUT = 2.0
+ROUTER_FLAGS = ("--health-check-interval", "0.5", "--health-check-timeout", "0.5", "--request-timeout", "120",
+                "--stream-stall-timeout", str(STALL_TIMEOUT))
+TOKENS = 1500
+PROMPT = "Once upon a time, in a mesh far away"
+
+
+@pytest.fixture(scope="module")
+def mesh3(tmp_path_factory):
+    m = Mesh(tmp_path_factory.mktemp("router-migration"))
+    try:
+        p = m.start_prefill(*PREFILL_FLAGS, wait=False)
+        ds = [m.start_decode(*DECODE_FLAGS, wait=False) for _ in range(2)]
+        for w in (p, *ds):
+            m.wait_healthy(w)
+        r = m.start_router([p], ds, *ROUTER_FLAGS)
+        yield m, p, ds, r
+    finally:
+        m.close()
+
+
+def body(**kw) -> dict:
+    return {"model": MODEL, "prompt": PROMPT, "max_tokens": TOKENS, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, **kw}
+
+
+def read_stream(url: str, payload: dict, after: int = 0, fault=None) -> tuple[str, list[dict]]:
+    """Stream a completion; after `after` chunks call fault() once. Returns (text, events)."""
+    events: list[dict] = []
+    with httpx.Client(timeout=httpx.Timeout(60.0)) as client:
+        with client.stream("POST", url + "/v1/completions", json=payload) as resp:
+            assert resp.status_code == 200, resp.read()
+            for line in resp.iter_lines():
+                if not line:
+                    continue
+                assert line.startswith("data: "), line
+                data = line.removeprefix("data: ")
+                if data == "[DONE]":
+                    break
+                events.append(json.loads(data))
+                if fault is not None and len(events) == after:
+                    fault()
+    text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+    return text, events
+
+
+def running_decode(r, ds):
+    """The decode the router is streaming from (its only request in flight)."""
+    status = httpx.get(r.http_url + "/health", timeout=5).json()["decode"]
+    busy = [d for d in ds if status[d.grpc_addr]["inflight"] > 0]
+    assert len(busy) == 1, status
+    return busy[0]
+
+
+def assert_seamless(text: str, events: list[dict], reference: str) -> None:
+    assert not any("error" in e for e in events), [e for e in events if "error" in e]
+    finals = [e["choices"][0]["finish_reason"] for e in events if e.get("choices") and e["choices"][0]["finish_reason"]]
+    assert finals == ["length"]
+    assert events[-1]["usage"]["completion_tokens"] == TOKENS
+    assert events[-1]["usage"]["prompt_tokens"] == len(TOK.encode(PROMPT))  # the original prompt, not the resubmitted one
+    assert len(text) == len(reference) and text == reference
+
+
+def migrations(r) -> float:
+    text = httpx.get(r.http_url + "/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pdmesh:router_migrations_total{"))
+
+
+@pytest.fixture(scope="module")
+def references(mesh3):
+    """Uninterrupted runs through the same router (greedy and seeded), computed once."""
+    _, _, _, r = mesh3
+    out = {}
+    for name, kw in (("greedy", {"temperature": 0}), ("seeded", {"temperature": 0.8, "seed": 1234})):
+        text, events = read_stream(r.http_url, body(**kw))
+        assert events[-1]["usage"]["completion_tokens"] == TOKENS and len(text) > 0
+        out[name] = text
+    return out
+
+
+def revive(m: Mesh, r, proc, ds: list) -> None:
+    """Restart a killed decode on its ports and wait until the router admits it again."""
+    new = m.restart(proc)
+    ds[ds.index(proc)] = new
+    wait_for(lambda: httpx.get(r.http_url + "/health", timeout=5).json()["decode"][new.grpc_addr]["healthy"],
+             20, "the router to re-admit the restarted decode")
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_sigkill_mid_stream_migrates_seamlessly(mesh3, references, sampling):
+    m, p, ds, r = mesh3
+    kw = {"temperature": 0} if sampling == "greedy" else {"temperature": 0.8, "seed": 1234}
+    before = migrations(r)
+    killed = {}
+
+    def kill():
+        killed["proc"] = running_decode(r, ds)
+        killed["proc"].kill()
+
+    text, events = read_stream(r.http_url, body(**kw), after=40, fault=kill)
+    assert_seamless(text, events, references[sampling])
+    assert migrations(r) == before + 1
+    revive(m, r, killed["proc"], ds)
+    m.assert_invariants()
+
+
+def test_sigstop_mid_stream_migrates_and_the_frozen_decode_recovers(mesh3, references):
+    m, p, ds, r = mesh3
+    before = migrations(r)
+    frozen = {}
+
+    def freeze():
+        frozen["proc"] = running_decode(r, ds)
+        frozen["proc"].stop()
+
+    t0 = time.monotonic()
+    try:
+        text, events = read_stream(r.http_url, body(temperature=0), after=40, fault=freeze)
+    finally:
+        if "proc" in frozen:
+            frozen["proc"].cont()  # thawed after the stream ended
+    elapsed = time.monotonic() - t0
+    assert_seamless(text, events, references["greedy"])
+    assert migrations(r) == before + 1
+    assert elapsed < 60, elapsed
+    d = frozen["proc"]
+    wait_for(lambda: httpx.get(r.http_url + "/health", timeout=5).json()["decode"][d.grpc_addr]["healthy"],
+             20, "the thawed decode to be re-admitted")
+    m.assert_invariants(timeout=20)
+    # the thawed decode serves again
+    resp = httpx.post(r.http_url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4},
+                      timeout=30)
+    assert resp.status_code == 200

@@ -1,7 +1,9 @@
 """Every configuration knob of every pdmesh service, in one place.
 
 Each knob is a CLI flag with a `PDMESH_*` environment twin (the flag wins) and a documented
-default; `--help` of each service lists all three.
+default; `--help` of each service lists all three. Each service's settings are a frozen,
+typed dataclass generated from its flag table (`PrefillSettings`, `DecodeSettings`; the
+router's is `services.router.app.RouterSettings`), built once at start-up by `parse_settings`.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, make_dataclass
 from typing import Any
 
 
@@ -75,6 +77,8 @@ DECODE_FLAGS = [
     Flag("transfer-timeout", float, 60.0, "seconds from prefill's forward-done signal until the KV must have arrived"),
     Flag("heartbeat-interval", float, 2.0, "seconds between heartbeats to each prefill this worker waits on"),
     Flag("heartbeat-max-failures", int, 3, "failed heartbeats in a row after which a prefill's rooms fail"),
+    Flag("keepalive-interval", float, 1.0,
+         "seconds between keep-alive chunks on a Decode stream whose room waits (pages, KV, retracted)"),
 ]
 
 ROUTER_FLAGS = [
@@ -141,3 +145,22 @@ def parse_args(prog: str, description: str, flags: Sequence[Flag], argv: Sequenc
             values = _from_env(f) if given is None else given
             setattr(args, f.dest, [x.strip() for v in values for x in str(v).split(",") if x.strip()])
     return args
+
+
+def _settings_class(name: str, flags: Sequence[Flag]) -> type:
+    """A frozen dataclass with one typed field per flag (its `dest`), so a typo in a setting's
+    name fails at once and nothing can change a setting after start-up."""
+    fields = [(f.dest, list[f.type] if f.repeatable else f.type) for f in flags]
+    cls = make_dataclass(name, fields, frozen=True)
+    cls.FLAGS = tuple(flags)
+    cls.__doc__ = f"Settings of one service, generated from its flag table ({len(fields)} flags)."
+    return cls
+
+
+PrefillSettings = _settings_class("PrefillSettings", PREFILL_FLAGS)
+DecodeSettings = _settings_class("DecodeSettings", DECODE_FLAGS)
+
+
+def parse_settings(cls: type, prog: str, description: str, argv: Sequence[str] | None = None):
+    """Flags, then their env twins, then defaults -> an instance of `cls` (e.g. PrefillSettings)."""
+    return cls(**vars(parse_args(prog, description, cls.FLAGS, argv)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.common.config import DECODE_FLAGS, parse_args
+from services.common.config import DecodeSettings, parse_settings
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.metrics import Metrics
 from services.common.worker_lifecycle import WorkerParts, run_worker, start_worker_process
@@ -21,9 +21,9 @@ DESCRIPTION = "pdmesh decode worker: receives prompts' KV from prefill over NIXL
 
 
 async def serve(argv=None) -> None:
-    args = parse_args("python -m services.decode", DESCRIPTION, DECODE_FLAGS, argv)
+    args = parse_settings(DecodeSettings, "python -m services.decode", DESCRIPTION, argv)
     worker_id, faults = start_worker_process("decode", args)
-    engine = WorkerEngine(args.model, args.device, args.dtype, args.num_pages, args.page_size)
+    engine = WorkerEngine(args.model, args.device, args.dtype, args.num_pages, args.page_size, faults)
     agent = NixlAgent.for_pool("decode", engine.pool)
     receiver = KVReceiver(agent, engine.pool)
     coordinator = KVReceiveCoordinator(
@@ -31,6 +31,7 @@ async def serve(argv=None) -> None:
         worker_id,
         heartbeat_interval=args.heartbeat_interval,
         heartbeat_max_failures=args.heartbeat_max_failures,
+        forward_timeout=args.forward_timeout,
     )
     metrics = Metrics("decode", engine.model_name, worker_id)
     worker = DecodeWorker(
@@ -46,23 +47,25 @@ async def serve(argv=None) -> None:
             role="decode",
             args=args,
             worker_id=worker_id,
+            faults=faults,
             engine=engine,
             agent=agent,
             metrics=metrics,
             poller=ProgressPoller.attach(receiver),
-            add_servicers=lambda server: wpb_grpc.add_DecodeServicer_to_server(DecodeServicer(worker), server),
+            add_servicers=lambda server: wpb_grpc.add_DecodeServicer_to_server(DecodeServicer(worker, args.keepalive_interval), server),
             grpc_services=("pdmesh.v1.Decode",),
             loops={
-                "decode-prealloc": worker.prealloc_loop,
-                "decode-loop": worker.decode_loop,
+                "decode-prealloc": worker.admission.loop,
+                "decode-loop": worker.scheduler.loop,
                 "kv-heartbeat": heartbeats,
             },
             sweep=lambda: watchdog.sweep(worker, args.prealloc_timeout, args.transfer_timeout),
             health_extra=lambda: {
                 "rooms": len(worker.jobs),
-                "kv_pages_quarantined": sum(len(p) for p in worker.quarantined.values()),
+                "kv_pages_quarantined": worker.admission.pages_quarantined,
             },
             on_stop=[coordinator.close],
+            on_stuck_forward=worker.fail_stuck_forward,
         )
     )
 

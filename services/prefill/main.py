@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 
-from services.common.config import PREFILL_FLAGS, parse_args
+from services.common.config import PrefillSettings, parse_settings
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.metrics import Metrics
 from services.common.worker_lifecycle import WorkerParts, run_worker, start_worker_process
@@ -22,7 +22,7 @@ DESCRIPTION = "pdmesh prefill worker: computes prompts' KV cache and sends it to
 
 
 async def serve(argv=None) -> None:
-    args = parse_args("python -m services.prefill", DESCRIPTION, PREFILL_FLAGS, argv)
+    args = parse_settings(PrefillSettings, "python -m services.prefill", DESCRIPTION, argv)
     worker_id, faults = start_worker_process("prefill", args)
     engine = WorkerEngine(args.model, args.device, args.dtype, args.num_pages, args.page_size, faults)
     agent = NixlAgent.for_pool("prefill", engine.pool)
@@ -60,7 +60,7 @@ async def serve(argv=None) -> None:
                 "pending_attaches": sender.num_pending_attach,
                 "nixl_deferred_handles": sender.num_deferred_handles,
             },
-            on_stuck_forward=getattr(worker, "on_stuck_forward", lambda reason: None),  # lead: worker.on_stuck_forward
+            on_stuck_forward=worker.fail_stuck_forward,
         )
     )
 

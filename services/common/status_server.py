@@ -31,7 +31,7 @@ class StatusServer:
         self._server.should_exit = True
         try:
             await asyncio.wait_for(asyncio.shield(self.task), timeout=5)
-        except (asyncio.TimeoutError, asyncio.CancelledError, Exception):  # noqa: BLE001 - stopping anyway
+        except (TimeoutError, asyncio.CancelledError, Exception):  # noqa: BLE001 - stopping anyway
             self.task.cancel()
 
 

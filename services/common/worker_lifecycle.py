@@ -10,7 +10,6 @@ names (what `--faults crash_task=NAME` takes): the role's loops by their key in
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any

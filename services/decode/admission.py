@@ -7,7 +7,7 @@ to its prefill (decode's page ids travel in the Attach) and the job waits for it
 
 Late writes: once an Attach may have reached prefill, prefill can WRITE into those pages until it
 lets go of the room, so the pages of a room that ends before its KV arrived are quarantined —
-held back from the pool — until prefill confirms it let go (or is gone).
+held back from the pool — until prefill confirms it let go or is gone (services/decode/quarantine.py).
 """
 
 from __future__ import annotations
@@ -15,14 +15,11 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 
-import grpc
-
-from services.common.logging_setup import bound_room, get_logger
+from services.common.logging_setup import get_logger
 from services.decode.jobs import Job, Phase
+from services.decode.quarantine import Quarantine
 from services.engine.page_allocator import OutOfPages
-from services.transfer.bootstrap import BootstrapCallError
 
 log = get_logger("decode.admission")
 
@@ -33,9 +30,8 @@ class Admission:
         self.pool = worker.engine.pool
         self.coordinator = worker.coordinator
         self.attaching: set[Job] = set()  # jobs whose Attach RPC is in flight
-        self.quarantined: dict[int, list[int]] = {}
-        self.quarantine_max = quarantine_max
-        self.quarantine_retry = quarantine_retry
+        self._quarantine = Quarantine(self.coordinator, self.pool.allocator, worker.pages_freed,
+                                      max_wait=quarantine_max, retry=quarantine_retry)
         self._work = asyncio.Event()
         self._froze_once = False
 
@@ -44,7 +40,14 @@ class Admission:
 
     @property
     def pages_quarantined(self) -> int:
-        return sum(len(p) for p in self.quarantined.values())
+        return self._quarantine.pages_held()
+
+    @property
+    def has_quarantine(self) -> bool:
+        return bool(self._quarantine)
+
+    async def close(self) -> None:
+        await self._quarantine.close()
 
     async def loop(self) -> None:
         while True:
@@ -89,33 +92,4 @@ class Admission:
 
     # --- quarantine --------------------------------------------------------------------------
     def quarantine(self, room: int, prefill_addr: str, pages: list[int]) -> None:
-        self.quarantined[room] = pages
-        self.worker.spawn(self._release_when_prefill_lets_go(room, prefill_addr, pages))
-
-    async def _release_when_prefill_lets_go(self, room: int, prefill_addr: str, pages: list[int]) -> None:
-        """Abort the room on prefill, then free its quarantined pages. Prefill lets go when it
-        answers the abort (it fails the room and cancels its WRITE) or when it is gone
-        (connection refused: nothing can write any more). A prefill that does not answer
-        (frozen) keeps the pages quarantined, retried, for at most `quarantine_max` seconds."""
-        client = self.coordinator.client(prefill_addr)
-        give_up = time.monotonic() + self.quarantine_max
-        with bound_room(room):
-            while True:
-                try:
-                    await client.abort(room, "decode released the room", self.worker.receiver.agent_name)
-                    break
-                except BootstrapCallError as e:
-                    if e.code == grpc.StatusCode.UNAVAILABLE:
-                        log.info("prefill gone: releasing quarantined pages", prefill=prefill_addr)
-                        break
-                    if time.monotonic() > give_up:
-                        log.warning("prefill never confirmed the abort: releasing quarantined pages",
-                                    prefill=prefill_addr, error=str(e))
-                        break
-                except Exception as e:  # noqa: BLE001 - e.g. a protocol mismatch: nothing more to wait for
-                    log.warning("abort to prefill failed: releasing quarantined pages", error=str(e))
-                    break
-                await asyncio.sleep(self.quarantine_retry)
-        del self.quarantined[room]
-        self.pool.allocator.free(pages, owner=room)
-        self.worker.pages_freed()
+        self._quarantine.hold(room, prefill_addr, pages)

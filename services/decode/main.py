@@ -64,7 +64,7 @@ async def serve(argv=None) -> None:
                 "rooms": len(worker.jobs),
                 "kv_pages_quarantined": worker.admission.pages_quarantined,
             },
-            on_stop=[coordinator.close],
+            on_stop=[worker.admission.close, coordinator.close],
             on_stuck_forward=worker.fail_stuck_forward,
         )
     )

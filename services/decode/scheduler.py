@@ -70,7 +70,7 @@ class DecodeScheduler:
                 except OutOfPages:
                     pass
                 later = [j for j in running[i + 1:] if j.phase is Phase.RUNNING]
-                others = bool(self.worker.admission.quarantined) or any(
+                others = self.worker.admission.has_quarantine or any(
                     j.pages for j in self.worker.jobs.values() if j.phase in (Phase.ATTACHING, Phase.AWAITING_KV)
                 )
                 decision = choose_victim(job, later, not batch, others)

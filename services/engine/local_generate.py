@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.sampling_params import SamplingParams
 from services.engine.kv_pool import KVPool
 from services.engine.model import CausalLM
 from services.engine.runner import DecodeItem, ModelRunner, PrefillItem
 from services.engine.sampler import Sampler
-from services.common.sampling_params import SamplingParams
 
 
 @dataclass

@@ -150,7 +150,10 @@ class PrefillWorker:
         if self.jobs.pop(job.room, None) is None:
             return
         if job.pages is not None:
-            self.engine.pool.allocator.free(job.pages, owner=job.room)
+            # a NIXL handle that could not be released yet may still read these pages: the
+            # sender frees them once nothing references the room (at once in the usual case)
+            pages, room, allocator = job.pages, job.room, self.engine.pool.allocator
+            self.sender.free_when_quiesced(room, lambda: (allocator.free(pages, owner=room), self.kick()))
             job.pages = None
         self.sender.release(job.room)
 

@@ -11,8 +11,8 @@ import pytest
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.grpc_server import channel
-from services.common.wire import params_to_pb
 from services.common.sampling_params import SamplingParams
+from services.common.wire import params_to_pb
 from tests.integration.mesh import in_background, wait_for
 from tests.integration.worker_client import generate, new_room
 

@@ -13,10 +13,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.grpc_server import channel
+from services.common.sampling_params import SamplingParams
 from services.engine.kv_pool import KVPool
 from services.engine.loader import load_model
 from services.engine.local_generate import generate as local_generate
-from services.common.sampling_params import SamplingParams
 from tests.integration.mesh import in_background, wait_for
 from tests.integration.worker_client import generate
 

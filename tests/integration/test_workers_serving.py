@@ -15,11 +15,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.grpc_server import channel
+from services.common.sampling_params import SamplingParams
 from services.common.wire import params_to_pb
 from services.engine.kv_pool import KVPool
 from services.engine.loader import load_model
 from services.engine.local_generate import generate_full
-from services.common.sampling_params import SamplingParams
 from tests.integration.mesh import Mesh, wait_for
 from tests.integration.worker_client import generate, new_room
 

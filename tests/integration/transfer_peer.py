@@ -146,9 +146,9 @@ class SenderEndpoint(Endpoint):
         room = c["room"]
         self.sender.create_room(room)
         if "prompt" in c:
+            from services.common.sampling_params import SamplingParams
             from services.engine.runner import ModelRunner, PrefillItem
             from services.engine.sampler import Sampler
-            from services.common.sampling_params import SamplingParams
 
             prompt = c["prompt"]
             pages = self.pool.allocator.alloc(self.pool.pages_for_tokens(len(prompt)), owner=("req", room))
@@ -195,8 +195,8 @@ class SenderEndpoint(Endpoint):
         }
 
     async def cmd_reference(self, c):
-        from services.engine.local_generate import generate
         from services.common.sampling_params import SamplingParams
+        from services.engine.local_generate import generate
 
         pool = KVPool(self.config, 64, page_size=16)
         params = [SamplingParams(temperature=0.0, max_tokens=c["max_tokens"], ignore_eos=True)] * len(
@@ -268,9 +268,9 @@ class ReceiverEndpoint(Endpoint):
         return {"attached": ok, "state": r.state.label if r else None, "reason": r.reason if r else None}
 
     async def cmd_decode(self, c):
+        from services.common.sampling_params import SamplingParams
         from services.engine.runner import DecodeItem, ModelRunner
         from services.engine.sampler import Sampler
-        from services.common.sampling_params import SamplingParams
 
         room = c["room"]
         w, row = self.work[room], self.receiver.result(room)

@@ -12,8 +12,8 @@ import grpc
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.grpc_server import channel
-from services.common.wire import params_to_pb
 from services.common.sampling_params import SamplingParams
+from services.common.wire import params_to_pb
 
 
 def new_room() -> int:

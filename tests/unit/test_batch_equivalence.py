@@ -2,10 +2,10 @@
 
 import pytest
 
+from services.common.sampling_params import SamplingParams
 from services.engine.kv_pool import KVPool
 from services.engine.loader import load_model
 from services.engine.local_generate import generate
-from services.common.sampling_params import SamplingParams
 
 CHUNK_BUDGET = 48
 LENGTHS = [3, 17, 40, 49, 64, 100, 130, 7, 33, 75]  # several longer than the chunk budget

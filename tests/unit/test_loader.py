@@ -72,10 +72,10 @@ def test_cuda_device_refused_without_cuda():
 
 
 def test_builtin_model_speaks_printable_ascii():
+    from services.common.sampling_params import SamplingParams
     from services.common.tokenizer import load_tokenizer
     from services.engine.kv_pool import KVPool
     from services.engine.local_generate import generate
-    from services.common.sampling_params import SamplingParams
 
     loaded, tok = load_model(None), load_tokenizer(None)
     ids = tok.encode_chat([{"role": "user", "content": "Hello!"}])

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.common.sampling_params import SamplingParams
 from services.engine.kv_pool import KVPool
 from services.engine.loader import load_model
 from services.engine.local_generate import generate
 from services.engine.runner import DecodeItem, ModelRunner, PrefillItem
-from services.common.sampling_params import SamplingParams
 from tests.hf_checkpoints import save_tiny_llama, save_tiny_qwen2
 
 transformers = pytest.importorskip("transformers")

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from services.engine.sampler import Sampler
 from services.common.sampling_params import SamplingParams
+from services.engine.sampler import Sampler
 
 
 @pytest.fixture

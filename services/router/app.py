@@ -419,7 +419,8 @@ def create_app(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> 
         # FastAPI's own schema, plus the request models the routes parse by hand (services/router/openapi.py)
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
-            app.openapi_schema = openapi.add_components(schema)
+            names = [router.info.name, *sorted(router.info.aliases - {router.info.name})]
+            app.openapi_schema = openapi.add_components(schema, names)
         return app.openapi_schema
 
     app.openapi = custom_openapi  # type: ignore[method-assign]

@@ -86,10 +86,15 @@ class ChatCompletionRequest(_Sampling):
 MODELS = (CompletionRequest, ChatCompletionRequest)
 
 
-def component_schemas() -> dict[str, Any]:
-    """JSON schemas of the request models and everything they use, keyed by name."""
+def component_schemas(model_names: list[str]) -> dict[str, Any]:
+    """JSON schemas of the request models and everything they use, keyed by name. `model` lists
+    the names this router serves: any other is a 404, and a client (or fuzzer) should know."""
     _, top = models_json_schema([(m, "validation") for m in MODELS], ref_template="#/components/schemas/{model}")
-    return top.get("$defs", {})
+    schemas = top.get("$defs", {})
+    for model in MODELS:
+        prop = schemas[model.__name__]["properties"]["model"]
+        prop.update(type="string", enum=list(model_names))
+    return schemas
 
 
 def request_body(model: type[BaseModel]) -> dict[str, Any]:
@@ -116,6 +121,6 @@ def error_responses() -> dict[int | str, dict[str, Any]]:
     return {status: {"description": desc} for status, desc in text.items()}
 
 
-def add_components(schema: dict[str, Any]) -> dict[str, Any]:
-    schema.setdefault("components", {}).setdefault("schemas", {}).update(component_schemas())
+def add_components(schema: dict[str, Any], model_names: list[str]) -> dict[str, Any]:
+    schema.setdefault("components", {}).setdefault("schemas", {}).update(component_schemas(model_names))
     return schema

@@ -87,7 +87,8 @@ class Attempt:
         self._prefill_task = asyncio.ensure_future(self._run_prefill())
         self._prefill_task.add_done_callback(self._prefill_done)
         self._read: asyncio.Future | None = None
-        self._ejected: asyncio.Future = loop.create_future()  # result: the ejected worker
+        self._down: set[Worker] = set()  # this attempt's workers the pool has ejected
+        self._ejected: asyncio.Future = loop.create_future()  # wakes next() when _down grows
         self._unwatch = pool.watch(self._on_ejected)
         self._last_heard = loop.time()  # the stall clock: last chunk of any kind (or the start)
         self.got_first = False  # decode has sent a token: the client may have seen bytes of this attempt
@@ -108,10 +109,10 @@ class Attempt:
             self.pool.report_failure(self.prefill, failure.code)
 
     def _on_ejected(self, worker: Worker) -> None:
-        if self._ejected.done():
-            return
-        if worker is self.decode or (worker is self.prefill and not self.got_first):
-            self._ejected.set_result(worker)
+        if worker is self.decode or worker is self.prefill:
+            self._down.add(worker)
+            if not self._ejected.done():
+                self._ejected.set_result(None)
 
     async def next(self) -> Chunk | None:
         """The next chunk with tokens, or None at the end of the stream. Raises WorkerFailure."""
@@ -137,8 +138,13 @@ class Attempt:
                 self.got_first = True
                 return Chunk(list(msg.token_ids), list(msg.logprobs), msg.finish_reason)
             if self._ejected.done():
-                worker = self._ejected.result()
-                raise WorkerFailure(worker, None, "ejected by the worker pool (failed health checks)", kind="ejected")
+                if self.decode in self._down or not self.got_first:
+                    worker = self.decode if self.decode in self._down else self.prefill
+                    raise WorkerFailure(worker, None, "ejected by the worker pool (failed health checks)",
+                                        kind="ejected")
+                # only prefill was ejected, after decode got the KV: no longer this attempt's concern
+                self._down.discard(self.prefill)
+                self._ejected = loop.create_future()
             if not self.got_first and self._prefill_task.done():
                 failure = self._prefill_failure()
                 if failure is not None:

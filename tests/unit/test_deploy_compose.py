@@ -438,6 +438,14 @@ def test_dockerfile_one_image_cuda_or_cpu_same_pins_non_root_healthcheck():
     assert "pip install -r requirements.txt" in runs
     assert "grep -E '^torch==' requirements.txt" in runs and '--index-url "$TORCH_INDEX_URL"' in runs
     assert re.search(r"^torch==\d", (ROOT / "requirements.txt").read_text(), re.M)
+    # offline: wheels in deploy/wheelhouse/ (scripts/wheelhouse.sh) are bind-mounted into that RUN
+    # (never a layer) and installed with --no-index; the folder is in git (README), its wheels not
+    assert "--mount=type=bind,source=deploy/wheelhouse," in runs
+    assert "pip install --no-index --find-links /tmp/wheelhouse -r requirements.txt" in runs
+    assert (DEPLOY / "wheelhouse" / "README.md").exists()
+    assert "deploy/wheelhouse/*.whl" in (ROOT / ".gitignore").read_text().splitlines()
+    assert "!deploy/wheelhouse/" in (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
+    assert [w for w, _ in ins].count("FROM") == 1, "one stage: every layer stays cacheable (buildah)"
     assert "scripts/gen_proto.py" in runs, "generated gRPC code is built into the image"
     # non-root from USER on, and the user is not root
     users = [rest for w, rest in ins if w == "USER"]

@@ -57,6 +57,22 @@ WORKER_FLAGS = [
          "seconds one forward (one chunk, not a whole prompt) may run before its rooms fail and the worker turns NOT_SERVING"),
     Flag("faults", str, "", "fault injection spec, e.g. 'delay_forward=5,stall_transfer' (off by default)"),
     Flag("log-level", str, "info", "debug, info, warning or error"),
+    # --- across hosts (docs/transfer.md "Across hosts") ---
+    Flag("advertise-host", str, "",
+         "address peers use to reach this worker (default: --host, or this host name's address when "
+         "--host is a wildcard); shown in /health and logs, and names the interface for "
+         "--transfer-net-devices auto. Never 127.0.0.1 outside one host"),
+    Flag("transfer-tls", str, "",
+         "UCX transports for the KV transfer (sets UCX_TLS), e.g. 'tcp' or 'rc,cuda_copy'; empty: UCX's choice"),
+    Flag("transfer-net-devices", str, "",
+         "UCX network devices (sets UCX_NET_DEVICES), e.g. 'eth0' or 'mlx5_0:1'; 'auto': the interface "
+         "holding --advertise-host; empty: UCX's choice"),
+    Flag("transfer-tcp-user-timeout", float, 10.0,
+         "seconds unacknowledged KV data may wait before a WRITE over TCP fails (sets UCX_TCP_USER_TIMEOUT): "
+         "how fast prefill notices a partitioned decode; 0 leaves Linux's retries (minutes)"),
+    Flag("internal-token-file", str, "",
+         "file holding the shared secret every internal gRPC call must carry (or env PDMESH_INTERNAL_TOKEN); "
+         "empty and no env: no authentication"),
 ]
 
 PREFILL_FLAGS = [
@@ -103,6 +119,8 @@ ROUTER_FLAGS = [
     Flag("stream-stall-timeout", float, 30.0,
          "seconds a Decode stream may stay silent (no tokens, no keep-alive) before the router treats its "
          "decode as stalled and fails over or migrates"),
+    Flag("internal-token-file", str, "",
+         "file holding the shared secret presented on every call to the workers (or env PDMESH_INTERNAL_TOKEN)"),
     Flag("dns-refresh-interval", float, 5.0,
          "seconds between re-resolving worker names (a headless Service name stands for all its pods)"),
     Flag("log-level", str, "info", "debug, info, warning or error"),

@@ -6,6 +6,7 @@ import asyncio
 
 from services.common.config import DecodeSettings, parse_settings
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
+from services.common.grpc_server import configure_internal_token
 from services.common.metrics import Metrics
 from services.common.worker_lifecycle import WorkerParts, run_worker, start_worker_process
 from services.decode import watchdog
@@ -13,6 +14,7 @@ from services.decode.servicer import DecodeServicer
 from services.decode.worker import DecodeWorker
 from services.engine.worker_engine import WorkerEngine
 from services.transfer.bootstrap import KVReceiveCoordinator
+from services.transfer.network import configure_transport
 from services.transfer.nixl_agent import NixlAgent
 from services.transfer.poller import ProgressPoller
 from services.transfer.receiver import KVReceiver
@@ -23,6 +25,9 @@ DESCRIPTION = "pdmesh decode worker: receives prompts' KV from prefill over NIXL
 async def serve(argv=None) -> None:
     args = parse_settings(DecodeSettings, "python -m services.decode", DESCRIPTION, argv)
     worker_id, faults = start_worker_process("decode", args)
+    configure_internal_token(args.internal_token_file)
+    transport = configure_transport(args.advertise_host, args.host, args.transfer_tls,
+                                    args.transfer_net_devices, args.transfer_tcp_user_timeout)
     engine = WorkerEngine(args.model, args.device, args.dtype, args.num_pages, args.page_size, faults)
     agent = NixlAgent.for_pool("decode", engine.pool)
     receiver = KVReceiver(agent, engine.pool)
@@ -61,6 +66,7 @@ async def serve(argv=None) -> None:
             },
             sweep=lambda: watchdog.sweep(worker, args.prealloc_timeout, args.transfer_timeout),
             health_extra=lambda: {
+                "transport": transport.as_dict(),
                 "rooms": len(worker.jobs),
                 "kv_pages_quarantined": worker.admission.pages_quarantined,
             },

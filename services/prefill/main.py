@@ -7,6 +7,7 @@ import math
 
 from services.common.config import PrefillSettings, parse_settings
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
+from services.common.grpc_server import configure_internal_token
 from services.common.metrics import Metrics
 from services.common.worker_lifecycle import WorkerParts, run_worker, start_worker_process
 from services.engine.worker_engine import WorkerEngine
@@ -14,6 +15,7 @@ from services.prefill import watchdog
 from services.prefill.servicer import PrefillServicer
 from services.prefill.worker import PrefillWorker
 from services.transfer.bootstrap import add_bootstrap_servicer
+from services.transfer.network import configure_transport
 from services.transfer.nixl_agent import NixlAgent
 from services.transfer.poller import ProgressPoller
 from services.transfer.sender import KVSender
@@ -24,6 +26,9 @@ DESCRIPTION = "pdmesh prefill worker: computes prompts' KV cache and sends it to
 async def serve(argv=None) -> None:
     args = parse_settings(PrefillSettings, "python -m services.prefill", DESCRIPTION, argv)
     worker_id, faults = start_worker_process("prefill", args)
+    configure_internal_token(args.internal_token_file)
+    transport = configure_transport(args.advertise_host, args.host, args.transfer_tls,
+                                    args.transfer_net_devices, args.transfer_tcp_user_timeout)
     engine = WorkerEngine(args.model, args.device, args.dtype, args.num_pages, args.page_size, faults)
     agent = NixlAgent.for_pool("prefill", engine.pool)
     sender = KVSender(
@@ -56,6 +61,7 @@ async def serve(argv=None) -> None:
             loops={"prefill-scheduler": worker.schedule_loop},
             sweep=lambda: watchdog.sweep(worker, args.bootstrap_timeout, args.inflight_timeout),
             health_extra=lambda: {
+                "transport": transport.as_dict(),
                 "rooms": len(worker.jobs),
                 "pending_attaches": sender.num_pending_attach,
                 "nixl_deferred_handles": sender.num_deferred_handles,

@@ -7,6 +7,7 @@ import sys
 import uvicorn
 
 from services.common.config import ROUTER_FLAGS, parse_args
+from services.common.grpc_server import configure_internal_token
 from services.common.logging_setup import configure_logging, get_logger
 from services.router.app import RouterSettings, create_app
 from services.router.discovery import split_host_port
@@ -36,6 +37,7 @@ def main(argv=None) -> None:
     except ValueError as e:
         log.error(str(e))
         sys.exit(2)
+    configure_internal_token(args.internal_token_file)  # presented on every call to the workers
     settings = RouterSettings.from_args(args)
     app = create_app(settings)
     config = uvicorn.Config(

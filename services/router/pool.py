@@ -37,6 +37,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
+from services.common.grpc_server import internal_channel
 from services.common.logging_setup import get_logger
 from services.common.metrics import Metrics
 from services.router.discovery import Resolver, resolve_specs, split_host_port, system_resolver
@@ -123,7 +124,7 @@ class WorkerPool:
         self._task = asyncio.create_task(self._loop(), name="router-health")
 
     def _connect(self, w: Worker) -> Worker:
-        w.channel = grpc.aio.insecure_channel(w.addr, options=CHANNEL_OPTIONS)
+        w.channel = internal_channel(w.addr, CHANNEL_OPTIONS)  # keep-alive, internal token
         w.stub = (wpb_grpc.PrefillStub if w.role == "prefill" else wpb_grpc.DecodeStub)(w.channel)
         w.health = health_pb2_grpc.HealthStub(w.channel)
         self._set_gauge(w)

@@ -22,6 +22,7 @@ import grpc
 
 from services.common.generated.pdmesh.v1 import bootstrap_pb2 as pb
 from services.common.generated.pdmesh.v1 import bootstrap_pb2_grpc as pb_grpc
+from services.common.grpc_server import internal_channel
 from services.transfer.protocol import (
     PROTOCOL_VERSION,
     MemoryKind,
@@ -187,7 +188,9 @@ class BootstrapClient:
     def __init__(self, address: str, timeout: float = 5.0):
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(address)
+        # keep-alive + fast reconnect: a connection that died in a partition is replaced within
+        # seconds of the network healing (services/common/grpc_server.py); presents the token
+        self._channel = internal_channel(address)
         self._stub = pb_grpc.KVBootstrapStub(self._channel)
 
     async def close(self) -> None:

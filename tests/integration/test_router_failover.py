@@ -104,6 +104,31 @@ def test_only_decode_frozen_is_503_at_once_then_serves_after_sigcont(one_p_two_d
         r1.kill()
 
 
+# --- the stall rule: waiting is not silence ----------------------------------------------------------------
+
+
+def test_long_prefill_is_not_a_stall_keepalives_bridge_it(tmp_path):
+    """Prefill's forward takes 3 s, the router's stall timeout is 1 s: decode holds the room in its
+    transfer queue and sends keep-alive chunks, so the request is neither failed over nor failed."""
+    m = Mesh(tmp_path)
+    try:
+        p = m.start_prefill(*PREFILL_FLAGS, "--faults", "delay_forward=3", wait=False)
+        d = m.start_decode(*DECODE_FLAGS, "--keepalive-interval", "0.2", wait=False)
+        m.wait_healthy(p)
+        m.wait_healthy(d)
+        r = m.start_router([p], [d], "--health-check-interval", "0.5", "--health-check-timeout", "0.5",
+                           "--stream-stall-timeout", "1", "--request-timeout", "30")
+        t0 = time.monotonic()
+        resp = complete(r.http_url, "a slow prompt", stream=True)
+        assert resp.status_code == 200 and '"error"' not in resp.text, resp.text[-500:]
+        assert time.monotonic() - t0 >= 3.0  # it really waited for the slow forward
+        log = r.log()
+        assert log.count('"event": "attempt"') == 1 and "failing over" not in log, log[-2000:]
+        m.assert_invariants()
+    finally:
+        m.close()
+
+
 # --- 2P + 2D under load: kill one of each, freeze one past the deadlines --------------------------------
 
 

@@ -175,7 +175,12 @@ async def _receiver_main(args) -> None:
 # --- part 1: sender (this process) ----------------------------------------------------------------
 
 
-async def _bench_layout(name: str, max_tokens: int, reps: int, poll_interval: float) -> dict:
+async def _bench_layout(name: str, max_tokens: int, reps: int, poll_interval: float,
+                        token_list: list[int] | None = None, rx_prefix: list[str] | None = None,
+                        cut: dict | None = None) -> dict:
+    """token_list: the prompt sizes (default 16, 32, ... max_tokens); rx_prefix: a command that
+    wraps the receiver (another network namespace); cut: measure a partition during a WRITE
+    (keys: links = tests.hosts.netns.Links args, src, dst, rate, tokens)."""
     import torch
 
     from services.engine.kv_pool import KVPool
@@ -202,7 +207,7 @@ async def _bench_layout(name: str, max_tokens: int, reps: int, poll_interval: fl
     poller = ProgressPoller.attach(sender, interval=poll_interval)
     poller.start()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, __file__, "--_receiver", "--layout", name, "--pages", str(max_pages),
+        *(rx_prefix or []), sys.executable, __file__, "--_receiver", "--layout", name, "--pages", str(max_pages),
         "--poll-interval", str(poll_interval),
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=1 << 26,
     )  # fmt: skip
@@ -261,8 +266,8 @@ async def _bench_layout(name: str, max_tokens: int, reps: int, poll_interval: fl
     room = 1
     await one(room, 1)  # warm-up: connection establishment
     rows = []
-    tokens = 16
-    while tokens <= max_tokens:
+    sizes = token_list or [16 << i for i in range(32) if 16 << i <= max_tokens]
+    for tokens in sizes:
         n_pages = tokens // PAGE_SIZE
         s_ms, r_ms = [], []
         for _ in range(reps):
@@ -302,7 +307,7 @@ async def _bench_layout(name: str, max_tokens: int, reps: int, poll_interval: fl
         )
         print(f"# {name} {tokens:5d} tok {nbytes / 2**20:9.2f} MiB: transfer {p50:8.3f} ms "
               f"(max {max(s_ms):7.3f}) copy_ {c50:8.3f} ms", file=sys.stderr, flush=True)  # fmt: skip
-        tokens *= 2
+    partition = await _partition_during_write(sender, pool, proc, replies, hello, agent, done, cut) if cut else None
     proc.stdin.write(b'{"op": "quit"}\n')
     await proc.stdin.drain()
     await proc.wait()
@@ -318,7 +323,70 @@ async def _bench_layout(name: str, max_tokens: int, reps: int, poll_interval: fl
         "reps": reps,
         "sender_whole_after": whole,
         "requests": rows,
+        **({"partition_during_write": partition} if partition else {}),
     }
+
+
+async def _partition_during_write(sender, pool, proc, replies, hello, agent, done, cut: dict) -> dict:
+    """Post one WRITE over a link capped to cut["rate"], drop every packet between the hosts
+    0.5 s later, and time the sender's error (UCX_TCP_USER_TIMEOUT bounds it)."""
+    from tests.hosts.netns import Links
+
+    links = Links(**cut["links"])
+    loop = asyncio.get_running_loop()
+    room, n_pages = 10**9, cut["tokens"] // PAGE_SIZE
+    src = pool.allocator.alloc(n_pages, owner=room)
+    sender.create_room(room)
+    proc.stdin.write((json.dumps({"op": "attach", "room": room, "n_pages": n_pages, "sender_agent": agent.name,
+                                  "sender_epoch": agent.epoch}) + "\n").encode())
+    await proc.stdin.drain()
+    rep = await replies.get()
+    sender.attach(room, hello["agent"], hello["epoch"], rep["dst_pages"], rep["aux_slot"])
+    done[room] = loop.create_future()
+    links.cap(cut["src"], cut["rate"])
+    try:
+        sender.send(room, src, first_token=1, logprob=-0.5)
+        await asyncio.sleep(0.5)
+        links.partition(cut["src"], cut["dst"])
+        t_cut = time.monotonic()
+        r = await asyncio.wait_for(done[room], 600)
+        took = time.monotonic() - t_cut
+    finally:
+        links.heal()
+        links.uncap(cut["src"])
+    pool.allocator.free(src, owner=room)
+    sender.release(room)
+    print(f"# partition during a WRITE: sender {r.state.label} {took:.2f} s after the cut ({r.reason})",
+          file=sys.stderr, flush=True)
+    return {"bytes": n_pages * pool.page_nbytes, "rate": cut["rate"], "state": r.state.label,
+            "reason": r.reason, "sender_error_after_cut_s": round(took, 2),
+            "UCX_TCP_USER_TIMEOUT": os.environ.get("UCX_TCP_USER_TIMEOUT")}
+
+
+def _across_hosts(reps: int, sizes: list[int]) -> dict:
+    """Sender and receiver in two network namespaces (own IPC/UTS: UCX sees two hosts) joined by
+    veth through a bridge, next to loopback; llama7b layout (128 tokens = 64 MiB, 2048 = 1 GiB)."""
+    from tests.hosts.netns import Topology, unsupported_reason
+
+    why = unsupported_reason()
+    if why:
+        return {"skipped": why}
+    topo = Topology.create(["prefill", "decode"])
+    try:
+        spec = {"sizes": sizes, "reps": reps, "rx_prefix": topo.wrap("decode", []),
+                "cut": {"links": {"ns": topo.hosts, "addr": topo.addrs}, "src": "prefill", "dst": "decode",
+                        "rate": "100mbit", "tokens": 128}}
+        env = {**os.environ, "UCX_TCP_USER_TIMEOUT": os.environ.get("UCX_TCP_USER_TIMEOUT", "5s")}
+        out = subprocess.run(topo.wrap("prefill", [sys.executable, __file__, "--_hosts-sender", json.dumps(spec)]),
+                             env=env, capture_output=True, text=True, timeout=1200)
+        sys.stderr.write(out.stderr[-4000:])
+        if out.returncode != 0:
+            return {"error": out.stderr[-2000:]}
+        line = [x for x in out.stdout.splitlines() if x.startswith("{")][-1]
+        return {"across_hosts": json.loads(line),
+                "veth": "sender and receiver in two network + IPC + UTS namespaces, veth through a bridge"}
+    finally:
+        topo.destroy()
 
 
 # --- part 2: raw NIXL investigation ---------------------------------------------------------------
@@ -486,6 +554,10 @@ def main() -> None:
     )
     ap.add_argument("--investigate", action="store_true", help="also run the raw NIXL stall investigation")
     ap.add_argument("--only-investigate", action="store_true")
+    ap.add_argument("--hosts", action="store_true",
+                    help="also run 64 MiB and 1 GiB transfers across two network namespaces (root), next to loopback")
+    ap.add_argument("--only-hosts", action="store_true")
+    ap.add_argument("--_hosts-sender", dest="hosts_sender", help=argparse.SUPPRESS)
     ap.add_argument("--_receiver", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--layout", help=argparse.SUPPRESS)
     ap.add_argument("--pages", type=int, help=argparse.SUPPRESS)
@@ -502,6 +574,12 @@ def main() -> None:
     if args.raw_peer:
         _raw_peer(args)
         return
+    if args.hosts_sender:
+        spec = json.loads(args.hosts_sender)
+        res = asyncio.run(_bench_layout("llama7b", max(spec["sizes"]), spec["reps"], 0.0005, spec["sizes"],
+                                        spec["rx_prefix"], spec["cut"]))
+        print(json.dumps(res))
+        return
 
     import torch
 
@@ -516,7 +594,13 @@ def main() -> None:
         "page_size_tokens": PAGE_SIZE,
         "layouts": [],
     }
-    if not args.only_investigate:
+    if args.hosts or args.only_hosts:
+        sizes = [128, 2048]  # 64 MiB and 1 GiB of llama7b-shaped fp16 KV
+        if 3.3 * 2048 // PAGE_SIZE * _page_nbytes(*_layouts()["llama7b"]) > _mem_available():
+            sizes = [128, 1024]
+        loop_res = asyncio.run(_bench_layout("llama7b", max(sizes), args.reps, 0.0005, sizes))
+        result["hosts"] = {"loopback": loop_res, **_across_hosts(args.reps, sizes)}
+    if not (args.only_investigate or args.only_hosts):
         for name in [x for x in args.layouts.split(",") if x]:
             config, dtype = _layouts()[name]
             max_tokens = args.max_tokens

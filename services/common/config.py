@@ -71,8 +71,10 @@ WORKER_FLAGS = [
          "seconds unacknowledged KV data may wait before a WRITE over TCP fails (sets UCX_TCP_USER_TIMEOUT): "
          "how fast prefill notices a partitioned decode; 0 leaves Linux's retries (minutes)"),
     Flag("internal-token-file", str, "",
-         "file holding the shared secret every internal gRPC call must carry (or env PDMESH_INTERNAL_TOKEN); "
-         "empty and no env: no authentication"),
+         "file holding the shared secret every internal gRPC call must carry (Health excepted); wins over "
+         "--internal-token; neither set: no authentication"),
+    Flag("internal-token", str, "",
+         "the shared secret itself; give it through the env twin (a flag shows in the process list)"),
 ]
 
 PREFILL_FLAGS = [
@@ -120,7 +122,9 @@ ROUTER_FLAGS = [
          "seconds a Decode stream may stay silent (no tokens, no keep-alive) before the router treats its "
          "decode as stalled and fails over or migrates"),
     Flag("internal-token-file", str, "",
-         "file holding the shared secret presented on every call to the workers (or env PDMESH_INTERNAL_TOKEN)"),
+         "file holding the shared secret presented on every call to the workers"),
+    Flag("internal-token", str, "",
+         "the shared secret itself; give it through the env twin (a flag shows in the process list)"),
     Flag("dns-refresh-interval", float, 5.0,
          "seconds between re-resolving worker names (a headless Service name stands for all its pods)"),
     Flag("log-level", str, "info", "debug, info, warning or error"),

@@ -8,7 +8,7 @@ second instead of waiting out Linux's TCP retransmission backoff (docs/transfer.
 hosts").
 
 Internal authentication: when a shared token is configured (`configure_internal_token`, from
-`--internal-token-file` or `PDMESH_INTERNAL_TOKEN`), every server built by `new_server` refuses
+`--internal-token-file` or `--internal-token` / `PDMESH_INTERNAL_TOKEN`), every server built by `new_server` refuses
 any call that does not carry it (UNAUTHENTICATED) except the standard `grpc.health.v1.Health`
 service (probes carry no secret and learn only SERVING/NOT_SERVING), and every channel built by
 `channel` / `internal_channel` presents it.
@@ -17,7 +17,6 @@ service (probes carry no secret and learn only SERVING/NOT_SERVING), and every c
 from __future__ import annotations
 
 import hmac
-import os
 import pathlib
 
 import grpc
@@ -56,13 +55,13 @@ OPEN_SERVICES = ("/grpc.health.v1.Health/",)
 _token: str = ""
 
 
-def configure_internal_token(token_file: str = "") -> bool:
-    """Set the process's internal token from `token_file` (stripped), else from the env
-    PDMESH_INTERNAL_TOKEN; empty: no authentication. Call once at start, before building any
-    server or channel. Returns whether a token is in force."""
+def configure_internal_token(token_file: str = "", token: str = "") -> bool:
+    """Set the process's internal token: the content of `token_file` (stripped; a missing file is
+    an error), else `token` (--internal-token / PDMESH_INTERNAL_TOKEN); neither: no
+    authentication. Call once at start, before building any server or channel. Returns whether a
+    token is in force."""
     global _token
-    token = pathlib.Path(token_file).read_text().strip() if token_file else os.environ.get("PDMESH_INTERNAL_TOKEN", "")
-    _token = token.strip()
+    _token = (pathlib.Path(token_file).read_text() if token_file else token).strip()
     return bool(_token)
 
 

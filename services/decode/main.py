@@ -25,7 +25,7 @@ DESCRIPTION = "pdmesh decode worker: receives prompts' KV from prefill over NIXL
 async def serve(argv=None) -> None:
     args = parse_settings(DecodeSettings, "python -m services.decode", DESCRIPTION, argv)
     worker_id, faults = start_worker_process("decode", args)
-    configure_internal_token(args.internal_token_file)
+    configure_internal_token(args.internal_token_file, args.internal_token)
     transport = configure_transport(args.advertise_host, args.host, args.transfer_tls,
                                     args.transfer_net_devices, args.transfer_tcp_user_timeout)
     engine = WorkerEngine(args.model, args.device, args.dtype, args.num_pages, args.page_size, faults)

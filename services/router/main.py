@@ -37,7 +37,7 @@ def main(argv=None) -> None:
     except ValueError as e:
         log.error(str(e))
         sys.exit(2)
-    configure_internal_token(args.internal_token_file)  # presented on every call to the workers
+    configure_internal_token(args.internal_token_file, args.internal_token)  # presented on every call to the workers
     settings = RouterSettings.from_args(args)
     app = create_app(settings)
     config = uvicorn.Config(

@@ -13,7 +13,7 @@ PROTO_STAMP := $(PROTO_OUT)/.stamp
 # The one configuration file shared with docker compose (docs/deploy.md).
 ENV_FILE ?= deploy/pdmesh.env
 
-.PHONY: run test hosts-test bench proto lint venv venv-dev clean
+.PHONY: run test hosts-test chaos chaos-three bench proto lint venv venv-dev clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,16 @@ test: venv-dev proto
 # with the reason where namespaces are unavailable.
 hosts-test: venv-dev proto
 	$(PY) -m pytest -q -s tests/hosts
+
+# The chaos soak (docs/chaos.md): router + 2P + 2D under load, faults drawn from SEED.
+# `make chaos SEED=2 DURATION=120`; `make chaos-three` runs seeds 1, 2, 3 one after another.
+SEED ?= 1
+DURATION ?= 120
+chaos: venv-dev proto
+	$(PY) -m tests.chaos.soak --seed $(SEED) --duration $(DURATION) --out bench/out/chaos
+
+chaos-three: venv-dev proto
+	for s in 1 2 3; do $(PY) -m tests.chaos.soak --seed $$s --duration $(DURATION) --out bench/out/chaos || exit 1; done
 
 bench: venv-dev proto
 	$(PY) bench/run_all.py

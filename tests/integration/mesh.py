@@ -150,9 +150,10 @@ class Mesh:
     def start_decode(self, *extra: str, **kw) -> Proc:
         return self.start_worker("decode", *extra, **kw)
 
-    def restart(self, proc: Proc, wait: bool = True, drop_flags: tuple[str, ...] = ()) -> Proc:
+    def restart(self, proc: Proc, wait: bool = True, drop_flags: tuple[str, ...] = (),
+                add_args: tuple[str, ...] = ()) -> Proc:
         """Kill and start the same role on the same ports (a new epoch), with the same flags
-        except `drop_flags` (each removed with its value, e.g. "--faults")."""
+        except `drop_flags` (each removed with its value, e.g. "--faults"), plus `add_args`."""
         proc.kill()
         self.procs.remove(proc)
         args = list(proc.args)
@@ -160,7 +161,7 @@ class Mesh:
             while flag in args:
                 i = args.index(flag)
                 del args[i : i + 2]
-        new = self._spawn(proc.role, args, proc.http_port, proc.grpc_port, None)
+        new = self._spawn(proc.role, [*args, *add_args], proc.http_port, proc.grpc_port, None)
         if wait:
             self.wait_healthy(new)
         return new

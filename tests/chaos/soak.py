@@ -1,0 +1,267 @@
+"""Chaos soak: router + 2 prefills + 2 decodes on the built-in model, steady load from several
+clients, faults on a seeded schedule; then the invariants (docs/chaos.md):
+
+  1. every request ends — success or an OpenAI-style error — within its deadline; none hangs;
+  2. every successful request returns exactly the text of single-process generation;
+  3. after load stops, with no further traffic: every queue gauge 0, every KV pool whole, no
+     NIXL handle outstanding, no quarantined page, on every worker;
+  4. no worker that the soak did not kill has died or restarted;
+  5. the router's counters agree with what the clients saw.
+
+    python -m tests.chaos.soak --seed 1 --duration 120 --out bench/out/chaos
+
+Prints the JSON report (also written to OUT/report-seedN.json, with a timeline PNG beside it)
+and exits non-zero when an invariant fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import pathlib
+import shutil
+import sys
+import threading
+import time
+from dataclasses import asdict
+
+from tests.chaos.soak_load import LoadState, client_loop
+from tests.chaos.soak_plan import KINDS, Fault, parse_schedule, plan_faults
+from tests.chaos.soak_verify import check_counts, check_outputs, scrape
+from tests.integration.mesh import QUEUE_GAUGES, Mesh, Proc, wait_for
+
+# Deadlines short enough that a 120 s run sees faults end, long enough for this 2-core machine.
+PREFILL_FLAGS = ("--bootstrap-timeout", "10", "--inflight-timeout", "3", "--watchdog-interval", "0.5",
+                 "--forward-timeout", "3", "--num-pages", "512")
+DECODE_FLAGS = ("--prealloc-timeout", "10", "--transfer-timeout", "3", "--heartbeat-interval", "0.5",
+                "--heartbeat-max-failures", "3", "--watchdog-interval", "0.5", "--forward-timeout", "3",
+                "--keepalive-interval", "0.5", "--num-pages", "512")
+ROUTER_FLAGS = ("--health-check-interval", "0.5", "--health-check-timeout", "0.5", "--health-failure-threshold", "2",
+                "--stream-stall-timeout", "3", "--max-migrations", "4", "--policy", "least_loaded")
+WATCHDOG_OFF = ("--watchdog-interval", "100000")  # --without watchdog: the sweep never runs
+
+
+class Soak:
+    def __init__(self, args, workdir: pathlib.Path):
+        self.args = args
+        self.mesh = Mesh(workdir)
+        self.workers: dict[str, list[Proc]] = {"prefill": [], "decode": []}
+        self.router: Proc | None = None
+        self.killed: list[Proc] = []  # processes the soak itself killed (invariant 4 spares them)
+        self.fault_log: list[dict] = []
+        self.router_counts: list[dict[str, float]] = []  # router_requests_total by status, per generation
+        self.worker_counters: dict[str, float] = {}
+        self.errors: list[str] = []
+
+    # --- the mesh ------------------------------------------------------------------------------
+    def worker_flags(self, role: str) -> tuple[str, ...]:
+        flags = PREFILL_FLAGS if role == "prefill" else DECODE_FLAGS
+        return flags + (WATCHDOG_OFF if "watchdog" in self.args.without else ())
+
+    def start(self) -> None:
+        for role in ("prefill", "decode"):
+            for _ in range(2):
+                self.workers[role].append(self.mesh.start_worker(role, *self.worker_flags(role), wait=False))
+        for proc in self.workers["prefill"] + self.workers["decode"]:
+            self.mesh.wait_healthy(proc)
+        migrations = ("--max-migrations", "0") if "migration" in self.args.without else ()
+        self.router = self.mesh.start_router(
+            self.workers["prefill"], self.workers["decode"], *ROUTER_FLAGS, *migrations,
+            "--request-timeout", str(self.args.request_timeout))
+
+    def _bank_counters(self, proc: Proc) -> None:
+        """Counters reset when a process restarts: keep what it counted so far."""
+        try:
+            m = scrape(proc.http_url)
+        except Exception:  # noqa: BLE001 - frozen or dead: its counts are lost, say so
+            self.errors.append(f"could not read {proc.role} {proc.grpc_addr or proc.http_port} counters before restart")
+            return
+        if proc.role == "router":
+            self.router_counts.append({k: v for k, v in m.items() if k.startswith("pdmesh:router_requests_total")})
+            keys = [k for k in m if k.startswith("pdmesh:router_migrations_total")]
+        else:
+            keys = [k for k in m if k.startswith("pdmesh:watchdog_evictions_total")]
+        for k in keys:
+            self.worker_counters[k] = self.worker_counters.get(k, 0) + m[k]
+
+    def _replace(self, proc: Proc, add: tuple[str, ...] = (), drop: tuple[str, ...] = ()) -> Proc:
+        self._bank_counters(proc)
+        self.killed.append(proc)
+        new = self.mesh.restart(proc, wait=True, drop_flags=drop, add_args=add)
+        if proc.role == "router":
+            self.router = new
+        else:
+            group = self.workers[proc.role]
+            group[group.index(proc)] = new
+        return new
+
+    # --- faults ----------------------------------------------------------------------------------
+    def apply(self, f: Fault, state: LoadState) -> None:
+        if f.kind == "router_restart":
+            self._replace(self.router)
+            # after the new router is up: a request stamped with the new generation can only
+            # have been answered by it (one that straddles the restart counts as cut)
+            state.router_gen += 1
+            return
+        proc = self.workers[f.role][f.index]
+        if f.kind == "kill":
+            self._replace(proc)
+        elif f.kind == "freeze":
+            proc.stop()
+            time.sleep(f.hold)
+            proc.cont()
+        elif f.kind == "inject":
+            faulty = self._replace(proc, add=("--faults", f.spec))
+            time.sleep(f.hold)
+            self._replace(faulty, drop=("--faults",))
+
+    def run_faults(self, plan: list[Fault], t0: float, state: LoadState) -> None:
+        for f in plan:
+            time.sleep(max(0.0, t0 + f.at - time.monotonic()))
+            began = time.monotonic() - t0
+            try:
+                self.apply(f, state)
+                outcome = "done"
+            except Exception as e:  # noqa: BLE001 - recorded; the invariants decide
+                outcome = f"failed: {e!r}"
+                self.errors.append(f"fault {f.describe()} {outcome}")
+            self.fault_log.append({**asdict(f), "what": f.describe(), "began": round(began, 2),
+                                   "ended": round(time.monotonic() - t0, 2), "outcome": outcome})
+
+    # --- the run ---------------------------------------------------------------------------------
+    def run(self) -> dict:
+        a = self.args
+        began = time.monotonic()
+        self.start()
+        plan = parse_schedule(a.schedule) if a.schedule else plan_faults(a.seed, a.duration, a.faults, kinds=tuple(a.kinds))
+        state = LoadState(self.router.http_url)
+        t0 = time.monotonic()
+        state.stop_at = t0 + a.duration
+        faults = threading.Thread(target=self.run_faults, args=(plan, t0, state), daemon=True)
+        faults.start()
+
+        async def load():
+            await asyncio.gather(*(client_loop(state, c, a.seed, a.request_timeout) for c in range(a.clients)))
+
+        asyncio.run(load())
+        self.results_for_plot, self.t0 = state.results, t0
+        load_end = time.monotonic()
+        faults.join(timeout=120)
+        last_fault_end = t0 + max((f["ended"] for f in self.fault_log), default=0.0)
+        drain = self.check_drained()
+        drained_at = time.monotonic()
+        self._bank_counters(self.router)
+        self.timings = {"start_s": t0 - began, "load_s": load_end - t0, "faults_after_load_s": max(0.0, last_fault_end - load_end),
+                        "drain_s": drained_at - max(load_end, last_fault_end)}
+        return self.report(state, plan, t0, load_end, last_fault_end, drained_at, drain)
+
+    def check_drained(self) -> bool:
+        """Invariant 3 (no traffic after the load): gauges 0, pools whole, no handle, no quarantine."""
+        ok = True
+        for proc in self.workers["prefill"] + self.workers["decode"]:
+            def settled(proc=proc):
+                m, h = proc.metrics(), proc.health()
+                return (all(m.get(g, 0) == 0 for g in QUEUE_GAUGES[proc.role])
+                        and h["kv_pages_free"] == h["kv_pages_total"] and h["kv_pool_ok"]
+                        and h.get("nixl_live_handles", 0) == 0 and h.get("kv_pages_quarantined", 0) == 0)
+            try:
+                wait_for(settled, self.args.drain_timeout, f"{proc.role} {proc.grpc_addr} drained")
+            except AssertionError as e:
+                ok = False
+                self.errors.append(f"invariant 3: {e}; health={proc.health()}")
+        return ok
+
+    def report(self, state: LoadState, plan, t0, load_end, last_fault_end, drained_at, drained) -> dict:
+        results = state.results
+        restarts = [(t0 + f["began"], t0 + f["ended"]) for f in self.fault_log if f["kind"] == "router_restart"]
+
+        def at_router_restart(r) -> bool:
+            return r.router_gen[0] != r.router_gen[1] or any(b <= r.ended and r.started <= e for b, e in restarts)
+
+        failed = [r for r in results if not r.ok]
+        excused = [r for r in failed if at_router_restart(r) and not r.status]
+        unexcused = [r for r in failed if r not in excused]
+        hung = [r for r in results if r.cause == "client_timeout" or r.ended - r.started > self.args.request_timeout + 5]
+        verify_began = time.monotonic()
+        mismatched = check_outputs(results)
+        self.timings["verify_s"] = time.monotonic() - verify_began
+        count_errors = check_counts(results, self.router_counts)
+        died = [f"{p.role} {p.grpc_addr or p.http_port} exit {p.popen.poll()}" for p in self.mesh.procs
+                if p not in self.killed and not p.alive()]
+        causes: dict[str, int] = {}
+        for r in failed:
+            causes[r.cause] = causes.get(r.cause, 0) + 1
+        invariants = {
+            "1_every_request_ended_in_time": not hung,
+            "2_outputs_equal_single_process": not mismatched,
+            "3_drained_pools_whole": drained,
+            "4_no_unexpected_worker_death": not died,
+            "5_metrics_agree_with_clients": not count_errors,
+            "no_failed_requests_beyond_router_restarts": len(unexcused) <= self.args.allow_failures,
+        }
+        report = {
+            "seed": self.args.seed, "duration_s": self.args.duration, "clients": self.args.clients,
+            "without": self.args.without,
+            "requests": {"sent": len(results), "succeeded": len(results) - len(failed), "failed": len(failed),
+                         "failed_in_flight_at_router_restart": len(excused), "failed_by_cause": causes,
+                         "streamed": sum(r.stream for r in results), "greedy": sum(r.seed is None for r in results)},
+            "faults": self.fault_log,
+            "longest_request_s": round(max((r.ended - r.started for r in results), default=0), 3),
+            "drain_after_last_fault_s": round(drained_at - max(last_fault_end, load_end), 3),
+            "migrations": {k: v for k, v in self.worker_counters.items() if "migrations" in k},
+            "watchdog_evictions": {k: v for k, v in self.worker_counters.items() if "evictions" in k},
+            "leaked_pages": 0 if drained else "see errors",
+            "invariants": invariants,
+            "timings_s": {k: round(v, 1) for k, v in self.timings.items()},
+            "ok": all(invariants.values()),
+            "errors": self.errors + count_errors + [f"died: {d}" for d in died]
+                      + [f"hung: request {r.id} {r.cause} {r.ended - r.started:.1f}s" for r in hung]
+                      + [f"mismatch: {m}" for m in mismatched[:10]]
+                      + [f"failed: request {r.id} {r.cause} at {r.started - t0:.1f}s" for r in unexcused[:20]],
+        }
+        return report
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.chaos.soak", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--duration", type=float, default=120.0, help="seconds of load")
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--faults", type=int, default=10, help="faults injected during the load")
+    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    ap.add_argument("--schedule", default="",
+                    help="explicit faults instead of a drawn plan, e.g. 'kill:decode:0@8,inject:prefill:0:stall_transfer@15'")
+    ap.add_argument("--request-timeout", type=float, default=60.0)
+    ap.add_argument("--drain-timeout", type=float, default=30.0)
+    ap.add_argument("--allow-failures", type=int, default=0)
+    ap.add_argument("--without", nargs="*", default=[], choices=("watchdog", "migration"),
+                    help="switch a protection off, to show that the soak then fails")
+    ap.add_argument("--out", default="bench/out/chaos")
+    args = ap.parse_args(argv)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"seed{args.seed}" + "".join(f"-no-{w}" for w in args.without)
+    logs = out / f"logs-{name}"  # every process's log, kept for reading a failure
+    shutil.rmtree(logs, ignore_errors=True)
+    logs.mkdir()
+    soak = Soak(args, logs)
+    try:
+        report = soak.run()
+    finally:
+        soak.mesh.close()
+    report["logs"] = str(logs)
+    (out / f"report-{name}.json").write_text(json.dumps(report, indent=2))
+    try:
+        from tests.chaos.soak_plot import plot_timeline
+        plot_timeline(report, soak.results_for_plot, soak.t0, out / f"timeline-{name}.png")
+        report["timeline_png"] = str(out / f"timeline-{name}.png")
+    except ImportError as e:
+        report["timeline_png"] = f"not drawn: {e}"
+    print(json.dumps(report, indent=2))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

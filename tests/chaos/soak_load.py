@@ -1,0 +1,143 @@
+"""The chaos soak's clients: seeded, mixed requests through the router's OpenAI API.
+
+Each client sends one request at a time (prompt as token ids, so the reference generation
+sees exactly the same prompt): mixed prompt and output lengths, streamed or not, greedy or
+seeded sampling. A connection refused (the router is restarting) is retried before the request
+counts as sent, as a client behind a load balancer would; anything else that ends a request is
+recorded with its cause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+PRINTABLE = range(32, 127)  # the built-in tokenizer's printable bytes
+
+
+@dataclass
+class Result:
+    id: int
+    client: int
+    prompt: list[int]
+    max_tokens: int
+    temperature: float
+    seed: int | None
+    stream: bool
+    started: float = 0.0
+    ended: float = 0.0
+    router_gen: tuple[int, int] = (0, 0)  # router generation at start and at end
+    status: int | None = None  # HTTP status, None when no response arrived
+    text: str = ""
+    finish_reason: str = ""
+    cause: str = ""  # "" on success; else e.g. "http_503:no_healthy_workers", "stream_error:...", "connection"
+
+    @property
+    def ok(self) -> bool:
+        return not self.cause
+
+
+@dataclass
+class LoadState:
+    """Shared between the clients and the fault runner."""
+
+    base_url: str
+    router_gen: int = 0
+    stop_at: float = 0.0
+    results: list[Result] = field(default_factory=list)
+    in_flight: int = 0
+    next_id: int = 0
+
+
+def draw_request(rng: random.Random, rid: int, client: int) -> Result:
+    long_prompt = rng.random() < 0.2
+    n_prompt = rng.randint(100, 400) if long_prompt else rng.randint(3, 60)
+    greedy = rng.random() < 0.6
+    return Result(
+        id=rid, client=client,
+        prompt=[rng.choice(PRINTABLE) for _ in range(n_prompt)],
+        max_tokens=rng.choice((4, 8, 16, 32, 64, 96)),
+        temperature=0.0 if greedy else 0.8,
+        seed=None if greedy else rng.randrange(1 << 31),
+        stream=rng.random() < 0.5,
+    )
+
+
+def _body(r: Result) -> dict:
+    body = {"model": "pdmesh-tiny", "prompt": r.prompt, "max_tokens": r.max_tokens,
+            "temperature": r.temperature, "stream": r.stream}
+    if r.seed is not None:
+        body["seed"] = r.seed
+    return body
+
+
+def _error_cause(prefix: str, payload: dict) -> str:
+    err = payload.get("error") or {}
+    return f"{prefix}:{err.get('code') or err.get('type') or 'unknown'}"
+
+
+async def _send(http: httpx.AsyncClient, state: LoadState, r: Result) -> None:
+    url = state.base_url + "/v1/completions"
+    if not r.stream:
+        resp = await http.post(url, json=_body(r))
+        r.status = resp.status_code
+        payload = resp.json()
+        if resp.status_code != 200:
+            r.cause = _error_cause(f"http_{resp.status_code}", payload)
+            return
+        choice = payload["choices"][0]
+        r.text, r.finish_reason = choice["text"], choice["finish_reason"] or ""
+        return
+    async with http.stream("POST", url, json=_body(r)) as resp:
+        r.status = resp.status_code
+        if resp.status_code != 200:
+            r.cause = _error_cause(f"http_{resp.status_code}", json.loads(await resp.aread()))
+            return
+        done = False
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                done = True
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                r.cause = _error_cause("stream_error", chunk)
+                return
+            for choice in chunk.get("choices", []):
+                r.text += choice.get("text", "")
+                if choice.get("finish_reason"):
+                    r.finish_reason = choice["finish_reason"]
+        if not done:
+            r.cause = "stream_truncated"
+
+
+async def client_loop(state: LoadState, client: int, seed: int, request_timeout: float) -> None:
+    rng = random.Random(seed * 1000 + client)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout + 15, connect=2)) as http:
+        while time.monotonic() < state.stop_at:
+            r = draw_request(rng, state.next_id, client)
+            state.next_id += 1
+            while time.monotonic() < state.stop_at:
+                r.started, r.router_gen = time.monotonic(), (state.router_gen, state.router_gen)
+                state.in_flight += 1
+                try:
+                    await _send(http, state, r)
+                except httpx.ConnectError:
+                    state.in_flight -= 1
+                    await asyncio.sleep(0.2)  # router restarting: not sent yet, try again
+                    continue
+                except httpx.TimeoutException:
+                    r.cause = "client_timeout"  # the request hung past its deadline
+                except (httpx.TransportError, json.JSONDecodeError) as e:
+                    r.cause = f"connection:{type(e).__name__}"
+                state.in_flight -= 1
+                r.ended, r.router_gen = time.monotonic(), (r.router_gen[0], state.router_gen)
+                state.results.append(r)
+                break

@@ -1,0 +1,86 @@
+"""The chaos soak's fault schedule, drawn from a seed (pure: no processes, no clock).
+
+Faults are spread over the middle of the run (the first and last stretch stay quiet so load
+builds up before the first fault and the mesh can drain after the last), one at a time, each
+given enough room to happen and recover before the next one starts.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+# The injection faults (services/common/faults.py) and the roles they apply to.
+INJECTIONS = {
+    "stall_transfer": ("prefill",),
+    "drop_notification": ("prefill",),
+    "fail_attach": ("prefill",),
+    "delay_forward=0.3": ("prefill", "decode"),
+    "fail_forward=0.2": ("prefill", "decode"),
+    "hang_forward=6": ("prefill", "decode"),
+}
+KINDS = ("kill", "freeze", "router_restart", "inject")
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class Fault:
+    at: float  # seconds after load started
+    kind: str  # one of KINDS
+    role: str = ""  # "prefill" / "decode" ("router" for router_restart)
+    index: int = 0  # which worker of that role
+    spec: str = ""  # the --faults spec, for "inject"
+    hold: float = 0.0  # seconds frozen / with the injected fault on
+
+    def describe(self) -> str:
+        what = {"kill": "SIGKILL + restart", "freeze": f"SIGSTOP {self.hold:g}s",
+                "router_restart": "router restart", "inject": f"{self.spec} for {self.hold:g}s"}[self.kind]
+        return f"{what} {self.role}#{self.index}" if self.kind != "router_restart" else what
+
+
+def plan_faults(seed: int, duration: float, count: int, workers_per_role: int = 2,
+                freeze_for: float = 8.0, inject_for: float = 10.0, kinds: tuple[str, ...] = KINDS) -> list[Fault]:
+    """`count` faults at increasing times within [10 %, 80 %] of `duration`. Every kind in
+    `kinds` appears at least once when count allows; the rest are drawn at random."""
+    rng = random.Random(seed)
+    chosen = list(kinds[:count]) + [rng.choice(kinds) for _ in range(max(0, count - len(kinds)))]
+    rng.shuffle(chosen)
+    start, end = 0.1 * duration, 0.8 * duration
+    step = (end - start) / max(1, count)
+    faults = []
+    for i, kind in enumerate(chosen):
+        at = start + i * step + rng.uniform(0, 0.3 * step)
+        role = rng.choice(ROLES)
+        index = rng.randrange(workers_per_role)
+        if kind == "kill":
+            faults.append(Fault(at, kind, role, index))
+        elif kind == "freeze":
+            faults.append(Fault(at, kind, role, index, hold=freeze_for))
+        elif kind == "router_restart":
+            faults.append(Fault(at, kind, "router"))
+        else:
+            spec = rng.choice(sorted(INJECTIONS))
+            faults.append(Fault(at, kind, rng.choice(INJECTIONS[spec]), index, spec=spec, hold=inject_for))
+    return faults
+
+
+def parse_schedule(text: str, freeze_for: float = 8.0, inject_for: float = 10.0) -> list[Fault]:
+    """Explicit faults, `kind:role:index[:spec][~hold]@seconds` separated by commas
+    (router_restart takes no role), e.g.
+    `kill:decode:0@8,inject:prefill:0:stall_transfer~20@15,freeze:decode:1:~12@25,router_restart@40`."""
+    faults = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        what, _, at = item.partition("@")
+        kind, *rest = what.split(":")
+        if kind not in KINDS or not at:
+            raise ValueError(f"bad fault {item!r}: want kind:role:index[:spec]@seconds, kind in {KINDS}")
+        if kind == "router_restart":
+            faults.append(Fault(float(at), kind, "router"))
+            continue
+        role, index, spec = rest[0], int(rest[1]), (rest[2] if len(rest) > 2 else "")
+        hold = {"freeze": freeze_for, "inject": inject_for}.get(kind, 0.0)
+        if "~" in spec:  # an explicit hold: freeze:decode:1:~12, inject:prefill:0:stall_transfer~20
+            spec, _, seconds = spec.partition("~")
+            hold = float(seconds)
+        faults.append(Fault(float(at), kind, role, index, spec=spec, hold=hold))
+    return sorted(faults, key=lambda f: f.at)

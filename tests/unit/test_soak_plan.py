@@ -1,0 +1,30 @@
+from tests.chaos.soak_plan import INJECTIONS, KINDS, Fault, parse_schedule, plan_faults
+
+
+def test_same_seed_same_plan_and_other_seed_other_plan():
+    assert plan_faults(1, 120, 10) == plan_faults(1, 120, 10)
+    assert plan_faults(1, 120, 10) != plan_faults(2, 120, 10)
+
+
+def test_faults_are_ordered_inside_the_quiet_margins_and_cover_every_kind():
+    faults = plan_faults(7, 120, 10)
+    times = [f.at for f in faults]
+    assert times == sorted(times) and 12 <= times[0] and times[-1] <= 0.8 * 120
+    assert {f.kind for f in faults} == set(KINDS)
+    for f in faults:
+        if f.kind == "inject":
+            assert f.role in INJECTIONS[f.spec] and f.hold > 0
+        if f.kind in ("kill", "freeze", "inject"):
+            assert f.role in ("prefill", "decode") and f.index in (0, 1)
+
+
+def test_kinds_can_be_restricted():
+    assert {f.kind for f in plan_faults(3, 60, 4, kinds=("kill", "freeze"))} <= {"kill", "freeze"}
+
+
+def test_an_explicit_schedule_parses_in_time_order():
+    faults = parse_schedule("inject:prefill:1:stall_transfer@15, kill:decode:0@8,router_restart@30")
+    assert faults == [Fault(8.0, "kill", "decode", 0), Fault(15.0, "inject", "prefill", 1, "stall_transfer", 10.0),
+                      Fault(30.0, "router_restart", "router")]
+    assert parse_schedule("freeze:decode:1:~12@25,inject:prefill:0:stall_transfer~20@9") == [
+        Fault(9.0, "inject", "prefill", 0, "stall_transfer", 20.0), Fault(25.0, "freeze", "decode", 1, "", 12.0)]

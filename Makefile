@@ -13,7 +13,7 @@ PROTO_STAMP := $(PROTO_OUT)/.stamp
 # The one configuration file shared with docker compose (docs/deploy.md).
 ENV_FILE ?= deploy/pdmesh.env
 
-.PHONY: run test hosts-test chaos chaos-three bench proto lint venv venv-dev clean
+.PHONY: run test compose-test chaos chaos-three bench proto lint venv venv-dev clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,14 +39,18 @@ proto: $(PROTO_STAMP)
 run: venv proto
 	set -a && . ./$(ENV_FILE) && set +a && exec $(PY) -m services.mesh
 
+# tests/compose (containers) runs as its own step, compose-test, which skips with a message when
+# this machine has no container engine.
 test: venv-dev proto
 	@scripts/ensure_test_tools.sh
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --ignore=tests/compose
+	@scripts/compose_test.sh
 
-# The mesh across hosts (network namespaces; root). `make test` runs these too, and they skip
-# with the reason where namespaces are unavailable.
-hosts-test: venv-dev proto
-	$(PY) -m pytest -q -s tests/hosts
+# pdmesh in containers: build the image, compose up (CPU override), serve, scrape, pause, kill,
+# down (docs/deploy.md, "Tests"). Docker with Compose >= 2.24.4, or podman + podman-compose.
+compose-test: venv-dev proto
+	@scripts/ensure_test_tools.sh
+	@scripts/compose_test.sh
 
 # The chaos soak (docs/chaos.md): router + 2P + 2D under load, faults drawn from SEED.
 # `make chaos SEED=2 DURATION=120`; `make chaos-three` runs seeds 1, 2, 3 one after another.
@@ -57,6 +61,11 @@ chaos: venv-dev proto
 
 chaos-three: venv-dev proto
 	for s in 1 2 3; do $(PY) -m tests.chaos.soak --seed $$s --duration $(DURATION) --out bench/out/chaos || exit 1; done
+
+# The mesh across hosts (network namespaces; root). `make test` runs these too, and they skip
+# with the reason where namespaces are unavailable.
+hosts-test: venv-dev proto
+	$(PY) -m pytest -q -s tests/hosts
 
 bench: venv-dev proto
 	$(PY) bench/run_all.py

@@ -13,7 +13,7 @@ PROTO_STAMP := $(PROTO_OUT)/.stamp
 # The one configuration file shared with docker compose (docs/deploy.md).
 ENV_FILE ?= deploy/pdmesh.env
 
-.PHONY: run test compose-test chaos chaos-three bench proto lint venv venv-dev clean
+.PHONY: run test compose-test hosts-test chaos chaos-three bench proto lint venv venv-dev clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)

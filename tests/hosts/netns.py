@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
+import re
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -164,7 +165,8 @@ class Topology:
 
     @classmethod
     def create(cls, hosts: list[str], net: int | None = None) -> Topology:
-        prefix = f"pdm{os.getpid() % 100000}"
+        prefix = f"pdm{os.getpid()}"
+        reap_stale()
         net = 77 if net is None else net
         switch = f"{prefix}-sw"
         names = {h: f"{prefix}-{h}" for h in hosts}
@@ -220,6 +222,24 @@ class Topology:
                 except (ProcessLookupError, ValueError):
                     pass
             run("ip", "netns", "del", ns, check=False)
+
+
+def reap_stale() -> list[str]:
+    """Delete the namespaces of earlier runs whose process is gone (a SIGKILLed pytest runs no
+    finalizer): names pdm<pid>-..., where no process <pid> exists any more."""
+    gone = []
+    for line in run("ip", "netns", "list", check=False).stdout.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        m = re.match(r"^pdm(\d+)-", name)
+        if m and not os.path.exists(f"/proc/{m.group(1)}") and int(m.group(1)) != os.getpid():
+            for pid in run("ip", "netns", "pids", name, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), 9)
+                except (ProcessLookupError, ValueError):
+                    pass
+            run("ip", "netns", "del", name, check=False)
+            gone.append(name)
+    return gone
 
 
 def leftover_namespaces(prefix: str) -> list[str]:

@@ -91,6 +91,9 @@ DECODE_FLAGS = [
     Flag("grpc-port", int, 50052, "gRPC port (Decode, Health)"),
     Flag("http-port", int, 8082, "HTTP port (/metrics, /health)"),
     Flag("max-running-requests", int, 64, "largest decode batch"),
+    Flag("chunked-prefill-size", int, 512,
+         "token budget of one local prefill forward for colocated requests (router --mode colocated): "
+         "longer prompts are chunked between decode steps"),
     Flag("prealloc-timeout", float, 300.0, "seconds a request may wait in the prealloc queue for KV pages"),
     Flag("transfer-timeout", float, 60.0, "seconds from prefill's forward-done signal until the KV must have arrived"),
     Flag("heartbeat-interval", float, 2.0, "seconds between heartbeats to each prefill this worker waits on"),
@@ -108,6 +111,10 @@ ROUTER_FLAGS = [
     Flag("decode", str, [], "decode worker host:port (repeatable)", repeatable=True),
     Flag("policy", str, "round_robin", "worker selection policy",
          choices=("round_robin", "least_loaded", "power_of_two")),
+    Flag("mode", str, "pd",
+         "pd: prefill and decode workers, KV over NIXL; colocated: decode workers only, each computing "
+         "the prompt itself (the baseline PD is measured against; --prefill is ignored)",
+         choices=("pd", "colocated")),
     Flag("api-key", str, "", "require 'Authorization: Bearer KEY' when set"),
     Flag("request-timeout", float, 600.0, "seconds after which a request fails with 504"),
     Flag("max-concurrent-requests", int, 256, "requests the router serves at once; beyond it new ones get 429"),

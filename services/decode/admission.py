@@ -3,7 +3,8 @@
 A room is admitted in arrival order once pages for its prompt (+1 token) are free; retracted
 requests come first (they arrived earlier and hold the batch's priority), so admission waits
 while any is retracted and is woken again when the last one resumes. Admission then attaches the room
-to its prefill (decode's page ids travel in the Attach) and the job waits for its KV.
+to its prefill (decode's page ids travel in the Attach) and the job waits for its KV. A
+colocated job (no prefill) goes to PREFILLING instead: the scheduler computes its prompt.
 
 Late writes: once an Attach may have reached prefill, prefill can WRITE into those pages until it
 lets go of the room, so the pages of a room that ends before its KV arrived are quarantined —
@@ -65,6 +66,10 @@ class Admission:
                 job.pages = self.pool.allocator.alloc(self.pool.pages_for_tokens(len(job.token_ids) + 1), owner=job.room)
             except OutOfPages:
                 return  # FIFO: the head waits for pages (bounded by --prealloc-timeout)
+            if job.colocated:
+                job.phase = Phase.PREFILLING
+                self.worker.scheduler.wake()
+                continue
             job.phase = Phase.ATTACHING
             self.attaching.add(job)
             self.worker.spawn(self._attach(job))

@@ -5,7 +5,10 @@
                ids and WRITE into them from here until it lets go of the room
   AWAITING_KV  attached: prefill computes (phase 1, bounded by its liveness and progress) or
                sends (phase 2, bounded by --transfer-timeout); the receiver's room state says which
-  RUNNING      KV and first token arrived: in the decode batch, one token per step
+  PREFILLING   colocated (no prefill worker): pages held; decode computes the prompt itself,
+               in chunks under --chunked-prefill-size that alternate with decode steps, and
+               samples the first token (services/decode/local_prefill.py)
+  RUNNING      KV and first token arrived (or were computed here): in the decode batch, one token per step
   RETRACTED    gave its pages back when the pool ran dry; recomputes its KV to rejoin the batch
   FINISHED     last chunk or failure delivered; pages released once nothing uses them
 
@@ -28,9 +31,10 @@ class Phase(enum.IntEnum):
     PREALLOC = 0
     ATTACHING = 1
     AWAITING_KV = 2
-    RUNNING = 3
-    RETRACTED = 4
-    FINISHED = 5
+    PREFILLING = 3
+    RUNNING = 4
+    RETRACTED = 5
+    FINISHED = 6
 
 
 # Phases in which prefill knows the job's page ids and may still WRITE into them: pages of a
@@ -60,7 +64,7 @@ class Job:
     room: int
     token_ids: list[int]  # the prompt
     params: SamplingParams
-    prefill_addr: str
+    prefill_addr: str  # "" for a colocated job: no prefill worker, no KV transfer
     seq: int  # arrival order: the priority for pages, batch slots and retraction
     out: asyncio.Queue  # Tokens | DecodeFailed, read by the servicer
     phase: Phase = Phase.PREALLOC
@@ -68,11 +72,16 @@ class Job:
     created_at: float = field(default_factory=time.monotonic)
     pages: list[int] | None = None
     output: list[int] = field(default_factory=list)
+    prefilled: int = 0  # prompt tokens whose KV a local prefill computed (colocated jobs)
     last_token_at: float | None = None
 
     @property
     def finished(self) -> bool:
         return self.phase is Phase.FINISHED
+
+    @property
+    def colocated(self) -> bool:
+        return not self.prefill_addr
 
     @property
     def context_len(self) -> int:

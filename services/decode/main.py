@@ -40,7 +40,7 @@ async def serve(argv=None) -> None:
     )
     metrics = Metrics("decode", engine.model_name, worker_id)
     worker = DecodeWorker(
-        engine, receiver, coordinator, metrics, faults, args.max_running_requests,
+        engine, receiver, coordinator, metrics, faults, args.max_running_requests, args.chunked_prefill_size,
         quarantine_max=args.transfer_timeout, quarantine_retry=min(args.heartbeat_interval, 1.0),
     )
 

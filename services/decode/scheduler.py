@@ -3,6 +3,8 @@
 Each pass first resumes retracted requests whose KV can be recomputed now, then builds a step's
 batch in arrival order (growing each request's pages by one when its next token needs it),
 runs one decode forward on the engine thread, and hands each sampled token to the worker.
+Colocated jobs (no prefill worker) get their prompt computed here: each pass runs one chunked
+local prefill forward before the decode step (services/decode/local_prefill.py).
 When the pool runs dry, the latest-arrived running request gives its pages back
 (services/decode/retraction.py) and later recomputes its KV from prompt + generated tokens.
 
@@ -16,6 +18,7 @@ import asyncio
 
 from services.common.logging_setup import bound_room, get_logger
 from services.decode.jobs import Job, Phase
+from services.decode.local_prefill import pick_chunks, run_chunks
 from services.decode.retraction import choose_victim
 from services.engine.page_allocator import OutOfPages
 from services.engine.runner import DecodeItem, PrefillItem
@@ -24,11 +27,12 @@ log = get_logger("decode.scheduler")
 
 
 class DecodeScheduler:
-    def __init__(self, worker, max_running: int):
+    def __init__(self, worker, max_running: int, chunk_budget: int = 512):
         self.worker = worker  # services.decode.worker.DecodeWorker
         self.engine = worker.engine
         self.pool = worker.engine.pool
         self.max_running = max_running
+        self.chunk_budget = chunk_budget  # tokens of one local prefill forward (colocated jobs)
         self.in_forward: list[Job] = []
         self._work = asyncio.Event()
 
@@ -44,10 +48,14 @@ class DecodeScheduler:
             self._work.clear()
             while True:
                 await self._resume_retracted()
+                chunks = pick_chunks(list(self.worker.jobs.values()), self.chunk_budget)
+                if chunks:
+                    await run_chunks(self, chunks)
                 batch = self._schedule()
-                if not batch:
+                if batch:
+                    await self._run(batch)
+                elif not chunks:
                     break
-                await self._run(batch)
 
     # --- schedule ----------------------------------------------------------------------------
     def _schedule(self) -> list[Job]:
@@ -71,7 +79,7 @@ class DecodeScheduler:
                     pass
                 later = [j for j in running[i + 1:] if j.phase is Phase.RUNNING]
                 others = self.worker.admission.has_quarantine or any(
-                    j.pages for j in self.worker.jobs.values() if j.phase in (Phase.ATTACHING, Phase.AWAITING_KV)
+                    j.pages for j in self.worker.jobs.values() if j.phase in (Phase.ATTACHING, Phase.AWAITING_KV, Phase.PREFILLING)
                 )
                 decision = choose_victim(job, later, not batch, others)
                 if decision.fail:

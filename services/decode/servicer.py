@@ -33,8 +33,10 @@ class DecodeServicer(wpb_grpc.DecodeServicer):
             ids = list(request.token_ids)
             try:
                 params = parse_request(request.params, ids, self.worker.engine.config)
-                if not request.prefill_addr:
-                    raise ValueError("prefill_addr is required")
+                if request.colocated and request.prefill_addr:
+                    raise ValueError("a colocated request has no prefill_addr")
+                if not request.colocated and not request.prefill_addr:
+                    raise ValueError("prefill_addr is required (or set colocated)")
                 pool = self.worker.engine.pool
                 if not pool.can_ever_hold(len(ids) + 1):
                     raise ValueError(f"prompt of {len(ids)} tokens needs more KV pages than this worker has")
@@ -44,7 +46,7 @@ class DecodeServicer(wpb_grpc.DecodeServicer):
                 job = self.worker.submit(room, ids, params, request.prefill_addr)
             except DuplicateRoom as e:
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
-            log.info("decode request", prompt_tokens=len(ids), prefill=request.prefill_addr)
+            log.info("decode request", prompt_tokens=len(ids), prefill=request.prefill_addr or "colocated")
             done = False
             try:
                 while True:

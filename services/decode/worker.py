@@ -31,7 +31,7 @@ from services.engine.local_generate import is_stop
 from services.engine.worker_engine import WorkerEngine
 from services.transfer.bootstrap import KVReceiveCoordinator
 from services.transfer.receiver import KVReceiver, ReceiverRoom
-from services.transfer.state import RoomState
+from services.transfer.state import DuplicateRoom, RoomState
 
 log = get_logger("decode")
 
@@ -47,6 +47,7 @@ class DecodeWorker:
         metrics: Metrics,
         faults: Faults,
         max_running: int,
+        chunk_budget: int = 512,
         quarantine_max: float = 60.0,
         quarantine_retry: float = 0.5,
     ):
@@ -59,7 +60,7 @@ class DecodeWorker:
         self._seq = itertools.count()
         self._bg: set[asyncio.Task] = set()
         self.admission = Admission(self, quarantine_max, quarantine_retry)
-        self.scheduler = DecodeScheduler(self, max_running)
+        self.scheduler = DecodeScheduler(self, max_running, chunk_budget)
         receiver.on_terminal = self._on_receiver_terminal
         m = metrics
         m.gauge_from("num_decode_prealloc_queue_reqs", lambda: self._count(Phase.PREALLOC, Phase.ATTACHING))
@@ -84,9 +85,13 @@ class DecodeWorker:
 
     # --- requests --------------------------------------------------------------------------
     def submit(self, room: int, token_ids: list[int], params: SamplingParams, prefill_addr: str) -> Job:
-        """Register a Decode RPC's room (raises DuplicateRoom); it enters the prealloc queue."""
+        """Register a Decode RPC's room (raises DuplicateRoom); it enters the prealloc queue.
+        prefill_addr "" : colocated, decode computes the prompt itself (no receiver room)."""
+        if room in self.jobs:
+            raise DuplicateRoom(f"room {room} already exists")
         job = Job(room, token_ids, params, prefill_addr, next(self._seq), asyncio.Queue())
-        self.receiver.create_room(room, prefill_addr)
+        if not job.colocated:
+            self.receiver.create_room(room, prefill_addr)
         self.jobs[room] = job
         self.metrics.inc(self.metrics.num_requests)
         self.admission.wake()
@@ -136,7 +141,8 @@ class DecodeWorker:
             with bound_room(job.room):
                 log.info("decode room failed", reason=failure.reason, code=failure.code)
             job.out.put_nowait(failure)
-            self.receiver.fail(job.room, failure.reason)  # no-op once the KV has arrived
+            if not job.colocated:
+                self.receiver.fail(job.room, failure.reason)  # no-op once the KV has arrived
         else:
             self.metrics.observe(self.metrics.e2e_request_latency, time.monotonic() - job.created_at)
         if job not in self.admission.attaching and job not in self.scheduler.in_forward:

@@ -72,6 +72,7 @@ class RouterSettings:
     model: str = "builtin"
     served_model_name: str = ""
     policy: str = "round_robin"
+    mode: str = "pd"  # "colocated": decode workers only (services/router/attempt.py)
     api_key: str = ""
     request_timeout: float = 600.0
     max_concurrent_requests: int = 256
@@ -126,8 +127,9 @@ class Router:
         self.metrics = Metrics("router", name, f"router-{settings.host}-{settings.port}")
         self.metrics.gauge_from("num_running_reqs", lambda: self.active)
         self.pool = WorkerPool(
-            settings.prefill,
+            settings.prefill if settings.mode == "pd" else [],
             settings.decode,
+            colocated=settings.mode == "colocated",
             policy=settings.policy,
             metrics=self.metrics,
             interval=settings.health_check_interval,

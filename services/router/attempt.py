@@ -17,6 +17,9 @@ Once decode's first token is in, decode holds the whole KV cache (the first toke
 aux row that lands after the KV pages), so a late Prefill failure or ejection no longer matters.
 Both RPCs carry the request deadline as their gRPC timeout; `close()` cancels what is still
 open, which makes the workers abort the room.
+
+Colocated mode (router --mode colocated): `prefill` is None, there is no Prefill RPC, and the
+Decode request asks decode to compute the prompt itself; everything else is the same.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ class Attempt:
         self,
         pool: WorkerPool,
         reap: Callable[[asyncio.Task, object, float], None],
-        prefill: Worker,
+        prefill: Worker | None,
         decode: Worker,
         room: int,
         ids: list[int],
@@ -78,11 +81,13 @@ class Attempt:
         self.deadline, self.stall_timeout = deadline, stall_timeout
         loop = asyncio.get_running_loop()
         timeout = max(0.001, deadline - loop.time())
-        self._prefill_call = prefill.stub.Prefill(
+        self._prefill_call = None if prefill is None else prefill.stub.Prefill(
             wpb.PrefillRequest(room=room, token_ids=ids, params=params), timeout=timeout
         )
         self._decode_call = decode.stub.Decode(
-            wpb.DecodeRequest(room=room, prefill_addr=prefill.addr, token_ids=ids, params=params), timeout=timeout
+            wpb.DecodeRequest(room=room, prefill_addr=prefill.addr if prefill else "", token_ids=ids, params=params,
+                              colocated=prefill is None),
+            timeout=timeout,
         )
         self._prefill_task = asyncio.ensure_future(self._run_prefill())
         self._prefill_task.add_done_callback(self._prefill_done)
@@ -94,10 +99,12 @@ class Attempt:
         self.got_first = False  # decode has sent a token: the client may have seen bytes of this attempt
         self._closed = False
 
-    async def _run_prefill(self) -> wpb.PrefillReply:
-        return await self._prefill_call
+    async def _run_prefill(self) -> wpb.PrefillReply | None:
+        return None if self._prefill_call is None else await self._prefill_call
 
     def _prefill_done(self, task: asyncio.Task) -> None:
+        if self.prefill is None:
+            return
         self.prefill.inflight -= 1
         if task.cancelled():
             return
@@ -178,5 +185,6 @@ class Attempt:
             if completed:
                 self._reap(self._prefill_task, self._prefill_call, self.deadline)
             else:
-                self._prefill_call.cancel()
+                if self._prefill_call is not None:
+                    self._prefill_call.cancel()
                 self._prefill_task.cancel()

@@ -22,9 +22,11 @@ def main(argv=None) -> None:
     args = parse_args("python -m services.router", DESCRIPTION, ROUTER_FLAGS, argv)
     configure_logging(args.log_level, service="router", worker=f"router-{args.host}-{args.port}")
     log = get_logger("router")
-    if not args.prefill or not args.decode:
-        log.error("at least one --prefill and one --decode worker address are required")
+    if not args.decode or (args.mode == "pd" and not args.prefill):
+        log.error("at least one --decode and (in --mode pd) one --prefill worker address are required")
         sys.exit(2)
+    if args.mode == "colocated" and args.prefill:
+        log.warning("--mode colocated: the --prefill workers are not used", prefill=args.prefill)
     if args.request_timeout <= 0 or args.max_concurrent_requests < 1 or args.max_body_bytes < 1:
         log.error("--request-timeout, --max-concurrent-requests and --max-body-bytes must be positive")
         sys.exit(2)

@@ -82,7 +82,7 @@ def retry_avoids(failure: WorkerFailure, prefill: Worker, decode: Worker) -> set
     dead and not yet ejected. A failure reported by prefill may be caused by either side (a KV
     transfer to a broken decode fails on prefill), so both are avoided.
     """
-    if failure.worker is decode:
+    if failure.worker is decode or prefill is None:
         return {decode}
     return {prefill, decode}
 
@@ -179,7 +179,8 @@ class Orchestrator:
                     # Nothing else is healthy: the same pair gets one more chance, not more.
                     repeats += 1
                     if repeats > 1 and last_error is not None:
-                        prefill.inflight -= 1
+                        if prefill is not None:
+                            prefill.inflight -= 1
                         decode.inflight -= 1
                         raise last_error
                 number += 1
@@ -192,10 +193,12 @@ class Orchestrator:
                         attempt = Attempt(self.pool, self.reap, prefill, decode, room, ids, params, deadline,
                                           self.stall_timeout)
                     except BaseException:
-                        prefill.inflight -= 1
+                        if prefill is not None:
+                            prefill.inflight -= 1
                         decode.inflight -= 1
                         raise
-                    log.info("attempt", attempt=number, prefill=prefill.addr, decode=decode.addr,
+                    log.info("attempt", attempt=number, prefill=prefill.addr if prefill else "colocated",
+                             decode=decode.addr,
                              prompt_tokens=len(ids), max_tokens=progress.remaining, resumed_at=len(progress.generated))
                 try:
                     while True:

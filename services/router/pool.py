@@ -93,7 +93,9 @@ class WorkerPool:
         failure_threshold: int = 2,
         dns_refresh_interval: float = 5.0,
         resolver: Resolver = system_resolver,
+        colocated: bool = False,
     ):
+        self.colocated = colocated  # decode workers only: choose_pair returns (None, decode)
         self.specs = {"prefill": list(dict.fromkeys(prefill_addrs)), "decode": list(dict.fromkeys(decode_addrs))}
         for spec in (*self.specs["prefill"], *self.specs["decode"]):
             split_host_port(spec)  # a malformed address fails at start, not at the first request
@@ -266,23 +268,26 @@ class WorkerPool:
     # --- selection -----------------------------------------------------------------------------
 
     def has_healthy_pair(self) -> bool:
-        return any(w.healthy for w in self.prefills) and any(w.healthy for w in self.decodes)
+        return (self.colocated or any(w.healthy for w in self.prefills)) and any(w.healthy for w in self.decodes)
 
-    async def choose_pair(self, exclude: Iterable[Worker] = ()) -> tuple[Worker, Worker]:
-        """A healthy (prefill, decode), avoiding `exclude` when another healthy worker exists.
+    async def choose_pair(self, exclude: Iterable[Worker] = ()) -> tuple[Worker | None, Worker]:
+        """A healthy (prefill, decode), avoiding `exclude` when another healthy worker exists;
+        colocated: (None, decode).
 
         The pair comes reserved: each worker's `inflight` is already counted (with no await between
         choosing and counting, so concurrent requests see each other's load); the caller releases it.
         """
         excluded = set(exclude)
-        for role, group in (("prefill", self.prefills), ("decode", self.decodes)):
+        roles = (("decode", self.decodes),) if self.colocated else (("prefill", self.prefills), ("decode", self.decodes))
+        for role, group in roles:
             if not any(w.healthy for w in group):
                 await self.probe_all(group)  # bounded by the probe timeout
             if not any(w.healthy for w in group):
                 raise no_healthy_workers(role)
-        prefill = self._choose("prefill", self.prefills, excluded)
+        prefill = None if self.colocated else self._choose("prefill", self.prefills, excluded)
         decode = self._choose("decode", self.decodes, excluded)
-        prefill.inflight += 1
+        if prefill is not None:
+            prefill.inflight += 1
         decode.inflight += 1
         return prefill, decode
 

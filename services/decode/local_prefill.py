@@ -1,0 +1,59 @@
+"""Colocated baseline: decode computes a prompt itself, with no prefill worker and no KV transfer.
+
+A Decode request with `colocated` set goes PREALLOC → PREFILLING (admission gives it the pages
+for its prompt + 1 token) → RUNNING. The scheduler alternates: one local prefill forward —
+chunks of the PREFILLING jobs in arrival order, at most `chunk_budget` tokens in all
+(--chunked-prefill-size, as prefill's scheduler does) — then one decode step of the running
+batch. A long prompt therefore spreads over several forwards with decode steps between them,
+the way a colocated engine with chunked prefill (SGLang, vLLM) interleaves them. A job whose
+last chunk ran samples its first token here at position len(prompt), exactly as prefill
+would (sampling is keyed by (seed, position)), and joins the batch through `worker.emit`.
+
+Same runner, sampler, pages and finish path as the disaggregated path: only the source of the
+prompt's KV and first token differs. The pure part (`pick_chunks`) has no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.decode.jobs import Job, Phase
+from services.engine.runner import PrefillItem
+
+
+def pick_chunks(jobs: Sequence[Job], budget: int) -> list[tuple[Job, int]]:
+    """(job, tokens of its next chunk) for the PREFILLING jobs, oldest first, within `budget`."""
+    batch: list[tuple[Job, int]] = []
+    for job in sorted((j for j in jobs if j.phase is Phase.PREFILLING), key=lambda j: j.seq):
+        if budget <= 0:
+            break
+        n = min(budget, len(job.token_ids) - job.prefilled)
+        batch.append((job, n))
+        budget -= n
+    return batch
+
+
+async def run_chunks(scheduler, batch: list[tuple[Job, int]]) -> None:
+    """One local prefill forward for `batch`; finished prompts emit their first token."""
+    worker, engine = scheduler.worker, scheduler.engine
+    items = [PrefillItem(j.token_ids[j.prefilled : j.prefilled + n], j.prefilled, list(j.pages)) for j, n in batch]
+    finals = [i for i, (j, n) in enumerate(batch) if j.prefilled + n == len(j.token_ids)]
+    params = [batch[i][0].params for i in finals]
+    positions = [len(batch[i][0].token_ids) for i in finals]
+
+    def forward():
+        logits = engine.runner.prefill(items)
+        return engine.sampler.sample(logits[finals], params, positions) if finals else ([], [])
+
+    result = await scheduler._forward([j for j, _ in batch], forward)
+    sampled = {} if isinstance(result, Exception) else dict(zip(finals, zip(*result, strict=True), strict=True))
+    for i, (job, n) in enumerate(batch):
+        if job.finished:  # aborted or evicted mid-forward: its release waited for the forward
+            worker.release(job)
+        elif isinstance(result, Exception):
+            worker.fail(job, f"local prefill failed: {type(result).__name__}: {result}", "INTERNAL")
+        else:
+            job.prefilled += n
+            if i in sampled:
+                job.phase = Phase.RUNNING
+                worker.emit(job, *sampled[i])

@@ -16,6 +16,12 @@ def params_from_pb(p: wpb.SamplingParams) -> SamplingParams:
         max_tokens=int(p.max_tokens) if p.max_tokens else 16,
         stop_token_ids=tuple(int(t) for t in p.stop_token_ids),
         ignore_eos=bool(p.ignore_eos),
+        presence_penalty=float(p.presence_penalty),
+        frequency_penalty=float(p.frequency_penalty),
+        repetition_penalty=float(p.repetition_penalty) if p.repetition_penalty > 0 else 1.0,
+        logit_bias=tuple(sorted((int(k), float(v)) for k, v in p.logit_bias.items())),
+        min_tokens=int(p.min_tokens),
+        num_generated=int(p.num_generated),
     )
 
 
@@ -27,6 +33,12 @@ def params_to_pb(p: SamplingParams) -> wpb.SamplingParams:
         max_tokens=p.max_tokens,
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+        logit_bias=dict(p.logit_bias),
+        min_tokens=p.min_tokens,
+        num_generated=p.num_generated,
     )
     if p.seed is not None:
         msg.seed = p.seed
@@ -40,6 +52,11 @@ def validate_prompt(token_ids: list[int], params: SamplingParams, vocab_size: in
     bad = next((t for t in token_ids if t >= vocab_size), None)
     if bad is not None:
         return f"token id {bad} outside the vocabulary (size {vocab_size})"
+    bad = next((t for t, _ in params.logit_bias if t >= vocab_size), None)
+    if bad is not None:
+        return f"logit_bias token id {bad} outside the vocabulary (size {vocab_size})"
+    if params.num_generated >= len(token_ids):
+        return f"num_generated ({params.num_generated}) must be less than the {len(token_ids)} token ids"
     if len(token_ids) + params.max_tokens > max_positions:
         return (
             f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "

@@ -162,10 +162,11 @@ class DecodeScheduler:
         positions = [j.context_len - 1 for j in batch]  # the last token goes in here
         items = [DecodeItem(j.output[-1], p, list(j.pages)) for j, p in zip(batch, positions, strict=True)]
         params = [j.params for j in batch]
+        histories = [(j.token_ids, j.output) for j in batch]  # for penalties / logit_bias / min_tokens
 
         def forward():
             logits = engine.runner.decode(items)
-            return engine.sampler.sample(logits, params, [p + 1 for p in positions])
+            return engine.sampler.sample(logits, params, [p + 1 for p in positions], histories)
 
         result = await self._forward(batch, forward)
         if isinstance(result, Exception):

@@ -70,7 +70,8 @@ def generate_full(
                 logits = runner.decode(
                     [DecodeItem(s.output[-1], p, s.pages) for s, p in zip(running, pos, strict=True)]
                 )
-                toks, lps = sampler.sample(logits, [s.params for s in running], [p + 1 for p in pos])
+                toks, lps = sampler.sample(logits, [s.params for s in running], [p + 1 for p in pos],
+                                           [(s.prompt, s.output) for s in running])
                 for s, t, lp in zip(running, toks, lps, strict=True):
                     finish(s, t, lp)
             # then prefill chunks within the token budget
@@ -94,7 +95,8 @@ def generate_full(
                 if final:
                     rows = [r for r, _ in final]
                     toks, lps = sampler.sample(
-                        logits[rows], [s.params for _, s in final], [len(s.prompt) for _, s in final]
+                        logits[rows], [s.params for _, s in final], [len(s.prompt) for _, s in final],
+                        [(s.prompt, s.output) for _, s in final],
                     )
                     for (_, s), t, lp in zip(final, toks, lps, strict=True):
                         finish(s, t, lp)

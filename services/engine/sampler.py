@@ -1,18 +1,26 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with per-request seeds.
+"""Token sampling: logit processing, greedy, temperature, top-k, top-p, with per-request seeds.
 
 A seeded request draws its random number for the token at position p from a generator keyed by
 (seed, p), not from a stream that advances with every draw. So prefill (which samples the first
 token) and decode (which samples the rest) on different machines reproduce exactly what a
 single-process run samples, whatever the batch composition.
+
+Penalties, logit_bias and min_tokens (services/engine/logits_processors.py) need the request's
+history: the caller passes (prompt ids, generated ids) per row, and the state is rebuilt from
+them on every call.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 import torch
 
 from services.common.sampling_params import SamplingParams
+from services.engine import logits_processors
+
+History = tuple[Sequence[int], Sequence[int]]  # (the worker's prompt ids, the ids it generated)
 
 
 def _uniform(seed: int | None, position: int) -> float:
@@ -43,22 +51,37 @@ def _filtered_probs(logits: torch.Tensor, params: SamplingParams) -> tuple[torch
 
 class Sampler:
     def sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        positions: list[int],
+        histories: Sequence[History] | None = None,
     ) -> tuple[list[int], list[float]]:
-        """logits [B, V] float32; positions[i] = the position the sampled token will occupy.
+        """logits [B, V] float32; positions[i] = the position the sampled token will occupy;
+        histories[i] = (prompt ids, generated ids) of row i, needed by rows whose params process
+        the logits (penalties, logit_bias, min_tokens).
 
-        Returns the chosen token ids and their logprobs under the raw (untempered) distribution,
-        as OpenAI-compatible servers report them.
+        Returns the chosen token ids and their logprobs under the raw (unprocessed, untempered)
+        distribution, as vLLM reports them by default.
         """
         logits = logits.float()
         logprobs_all = torch.log_softmax(logits, dim=-1)
         greedy_ids = torch.argmax(logits, dim=-1).tolist()
         tokens: list[int] = []
         for i, p in enumerate(params):
-            if p.greedy:
+            row = logits[i]
+            if p.processes_logits:
+                if histories is None:
+                    raise ValueError("this request's sampling needs its token history")
+                prompt, output = histories[i]
+                row = logits_processors.process(row, p, prompt, output)
+                if p.greedy:
+                    tokens.append(int(torch.argmax(row).item()))
+                    continue
+            elif p.greedy:
                 tokens.append(greedy_ids[i])
                 continue
-            probs, ids = _filtered_probs(logits[i], p)
+            probs, ids = _filtered_probs(row, p)
             u = _uniform(p.seed, positions[i])
             cdf = torch.cumsum(probs.double(), dim=-1)
             idx = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype)).item())

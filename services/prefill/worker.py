@@ -208,11 +208,12 @@ class PrefillWorker:
         finals = [i for i, (j, n) in enumerate(batch) if n == j.remaining]
         params = [batch[i][0].params for i in finals]
         positions = [len(batch[i][0].token_ids) for i in finals]
+        histories = [(batch[i][0].token_ids, ()) for i in finals]  # for penalties / logit_bias / min_tokens
         engine = self.engine
 
         def forward():
             logits = engine.runner.prefill(items)
-            return engine.sampler.sample(logits[finals], params, positions) if finals else ([], [])
+            return engine.sampler.sample(logits[finals], params, positions, histories) if finals else ([], [])
 
         self._forward = [j for j, _ in batch]
         for j in self._forward:

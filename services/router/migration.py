@@ -2,7 +2,8 @@
 
 Re-submitting `prompt + generated` with the remaining max_tokens and the same seed continues the
 exact token sequence of an uninterrupted run, because the workers sample the token at absolute
-position p from a generator keyed by (seed, p) (services/engine/sampler.py), and a greedy
+position p from a generator keyed by (seed, p) (services/engine/sampler.py), rebuild the
+penalty and min_tokens state from the ids (`num_generated` says which were generated), and a greedy
 forward over the same ids gives the same logits whether the KV was computed token by token or
 in one prefill (up to float rounding, which the batch-equivalence tests bound).
 """
@@ -32,8 +33,9 @@ class Progress:
         return self.prompt_ids + self.generated
 
     def params(self, base: SamplingParams) -> SamplingParams:
-        """The request's parameters for the next attempt: same seed, the tokens still owed."""
-        return replace(base, max_tokens=self.remaining)
+        """The request's parameters for the next attempt: same seed, the tokens still owed, and
+        how many of its prompt ids were generated (penalties and min_tokens count those)."""
+        return replace(base, max_tokens=self.remaining, num_generated=len(self.generated))
 
 
 def migration_reason(failure) -> str:

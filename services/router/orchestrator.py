@@ -71,6 +71,11 @@ def sampling_params(spec: GenerateSpec, eos_ids: Sequence[int]) -> SamplingParam
         max_tokens=spec.max_tokens,
         stop_token_ids=stop_ids,
         ignore_eos=spec.ignore_eos,
+        presence_penalty=spec.presence_penalty,
+        frequency_penalty=spec.frequency_penalty,
+        repetition_penalty=spec.repetition_penalty,
+        logit_bias=spec.logit_bias,
+        min_tokens=spec.min_tokens,
     )
 
 

@@ -2,7 +2,7 @@
 
 Pure functions over the tokenizer: no I/O, no workers, so every bad input is tested in
 milliseconds. Unknown fields are ignored, as OpenAI does; fields we know but cannot honour
-(n > 1, penalties, tools, ...) are a 400 with a clear message rather than a silent surprise.
+(best_of, tools, ...) are a 400 with a clear message rather than a silent surprise.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM any. A bound keeps stop matching 
 # per generated token, so an unbounded string would let one request slow the router's loop.
 MAX_STOP_LENGTH = 256
 MAX_LOGPROBS = 20
+MAX_N = 16  # completions per request (router fan-out: each is a full request on the workers)
+MAX_LOGIT_BIAS_ENTRIES = 1024
 UINT32_MAX = (1 << 32) - 1
 UINT64_MASK = (1 << 64) - 1
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions API
@@ -55,6 +57,15 @@ class GenerateSpec:
     echo: bool = False
     echo_text: str = ""  # the prompt's text when echo is on
     skip_special_tokens: bool = True
+    n: int = 1  # choices; choice i samples with seed + i (vLLM's rule), so n=1 with that seed reproduces it
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
+    min_tokens: int = 0
+
+    def choice_seed(self, index: int) -> int:
+        return (self.seed + index) & UINT64_MASK
 
 
 # --- typed getters ----------------------------------------------------------------------------
@@ -127,21 +138,11 @@ def _check_model(body: dict, info: ModelInfo) -> str:
 
 
 def _check_unsupported(body: dict) -> None:
-    n = get_int(body, "n", 1)
-    if n != 1:
-        raise bad_request("Only n=1 is supported.", param="n", code="unsupported_value")
-    best_of = get_int(body, "best_of", 1)
-    if best_of != 1:
-        raise bad_request("Only best_of=1 is supported.", param="best_of", code="unsupported_value")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if get_float(body, name, 0.0, -2.0, 2.0) != 0.0:
-            raise bad_request(f"'{name}' is not supported (only 0).", param=name, code="unsupported_value")
-    bias = body.get("logit_bias")
-    if bias is not None:
-        if not isinstance(bias, dict):
-            raise invalid_type("logit_bias", "an object", bias)
-        if bias:
-            raise bad_request("'logit_bias' is not supported.", param="logit_bias", code="unsupported_value")
+    n = get_int(body, "n", 1, 1, MAX_N)
+    best_of = get_int(body, "best_of", None, 1)
+    if best_of is not None and best_of != n:
+        raise bad_request("'best_of' is not supported (only best_of equal to n).", param="best_of",
+                          code="unsupported_value")
     fmt = body.get("response_format")
     if fmt is not None:
         if not isinstance(fmt, dict):
@@ -168,6 +169,54 @@ def _sampling(body: dict, spec_kw: dict) -> None:
     elif not -(1 << 63) <= seed <= UINT64_MASK:
         raise bad_request("'seed' must fit in 64 bits.", param="seed", code="invalid_value")
     spec_kw.update(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed & UINT64_MASK)
+
+
+def _logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise invalid_type("logit_bias", "an object mapping token ids to numbers", bias)
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise bad_request(f"'logit_bias' may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries.", param="logit_bias",
+                          code="invalid_value")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise bad_request(f"'logit_bias' keys must be token ids, got {key!r}.", param="logit_bias",
+                              code="invalid_value") from None
+        if not 0 <= token < vocab_size:
+            raise bad_request(f"logit_bias: token id {token} is outside the vocabulary (0..{vocab_size - 1}).",
+                              param="logit_bias", code="invalid_value")
+        if not _is_number(value) or not -100 <= value <= 100:
+            raise bad_request(f"logit_bias[{key!r}] must be a number between -100 and 100, got {value!r}.",
+                              param="logit_bias", code="invalid_value")
+        out[token] = float(value)
+    return tuple(sorted(out.items()))
+
+
+def _controls(body: dict, vocab_size: int, kw: dict) -> None:
+    """n, the penalties, logit_bias and min_tokens (vLLM's definitions, services/engine/logits_processors.py)."""
+    kw.update(
+        n=get_int(body, "n", 1, 1, MAX_N),
+        presence_penalty=get_float(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=get_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        logit_bias=_logit_bias(body, vocab_size),
+        min_tokens=get_int(body, "min_tokens", 0, 0, UINT32_MAX),
+    )
+    rep = get_float(body, "repetition_penalty", 1.0, 0.0, 10.0)
+    if rep == 0.0:
+        raise bad_request("'repetition_penalty' must be greater than 0.", param="repetition_penalty",
+                          code="invalid_value")
+    kw["repetition_penalty"] = rep
+
+
+def _check_min_tokens(kw: dict, max_tokens: int) -> None:
+    if kw["min_tokens"] > max_tokens:
+        raise bad_request(f"'min_tokens' ({kw['min_tokens']}) must not exceed max_tokens ({max_tokens}).",
+                          param="min_tokens", code="invalid_value")
 
 
 def _stop(body: dict, vocab_size: int) -> tuple[list[str], list[int]]:
@@ -299,6 +348,7 @@ def parse_completion(body: Any, info: ModelInfo) -> GenerateSpec:
         raise bad_request("'suffix' is not supported.", param="suffix", code="unsupported_value")
     kw: dict[str, Any] = {}
     _sampling(body, kw)
+    _controls(body, info.tokenizer.vocab_size, kw)
     stop, stop_ids = _stop(body, info.tokenizer.vocab_size)
     stream, include_usage = _stream(body)
     logprobs = get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
@@ -311,6 +361,7 @@ def parse_completion(body: Any, info: ModelInfo) -> GenerateSpec:
     if not ids:
         raise bad_request("The prompt must not be empty.", param="prompt", code="invalid_value")
     max_tokens = _max_tokens(body, ("max_tokens",), len(ids), info, COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
+    _check_min_tokens(kw, max_tokens)
     return GenerateSpec(
         kind="completion",
         model=model,
@@ -415,6 +466,7 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerateSpec:
             raise bad_request("Tool calling is not supported.", param="tools", code="unsupported_value")
     kw: dict[str, Any] = {}
     _sampling(body, kw)
+    _controls(body, info.tokenizer.vocab_size, kw)
     stop, stop_ids = _stop(body, info.tokenizer.vocab_size)
     stream, include_usage = _stream(body)
     want_logprobs = get_bool(body, "logprobs", False)
@@ -428,6 +480,7 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerateSpec:
     ids = chat_prompt(body, info.tokenizer)
     _check_ids(ids, info.tokenizer.vocab_size, "messages")
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), len(ids), info, None, "messages")
+    _check_min_tokens(kw, max_tokens)
     return GenerateSpec(
         kind="chat",
         model=model,

@@ -136,14 +136,23 @@ def test_echo():
         ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
         ({"stream": True, "stream_options": []}, "stream_options"),
         ({"stream": True, "stream_options": {"include_usage": "yes"}}, "include_usage"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 17}, "n"),
         ({"n": "1"}, "n"),
         ({"best_of": 3}, "best_of"),
         ({"logprobs": 21}, "logprobs"),
         ({"logprobs": True}, "logprobs"),
-        ({"presence_penalty": 1.0}, "presence_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"frequency_penalty": 3.0}, "frequency_penalty"),
-        ({"logit_bias": {"1": 5}}, "logit_bias"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": 11}, "repetition_penalty"),
+        ({"logit_bias": [1]}, "logit_bias"),
+        ({"logit_bias": {"x": 5}}, "logit_bias"),
+        ({"logit_bias": {"99999": 5}}, "logit_bias"),
+        ({"logit_bias": {"1": 101}}, "logit_bias"),
+        ({"logit_bias": {"1": "5"}}, "logit_bias"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 17}, "min_tokens"),  # more than max_tokens (16)
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"suffix": "abc"}, "suffix"),
         ({"echo": True, "logprobs": 1}, "echo"),
@@ -198,3 +207,15 @@ def test_body_must_be_an_object():
 def test_context_error_says_why():
     err = rejects(completion, param="max_tokens", max_tokens=60)
     assert "maximum context length is 64" in err.message and err.code == "context_length_exceeded"
+
+
+def test_sampling_controls_are_parsed():
+    spec = parse_completion(
+        {"model": "m", "prompt": "hi", "n": 3, "best_of": 3, "presence_penalty": 0.5, "frequency_penalty": -1,
+         "repetition_penalty": 1.3, "logit_bias": {"65": 10, "66": -100.0}, "min_tokens": 4, "seed": 7},
+        INFO,
+    )
+    assert (spec.n, spec.presence_penalty, spec.frequency_penalty, spec.repetition_penalty) == (3, 0.5, -1.0, 1.3)
+    assert spec.logit_bias == ((65, 10.0), (66, -100.0))
+    assert spec.min_tokens == 4
+    assert [spec.choice_seed(i) for i in range(3)] == [7, 8, 9]

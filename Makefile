@@ -13,7 +13,7 @@ PROTO_STAMP := $(PROTO_OUT)/.stamp
 # The one configuration file shared with docker compose (docs/deploy.md).
 ENV_FILE ?= deploy/pdmesh.env
 
-.PHONY: run test compose-test hosts-test chaos chaos-three bench proto lint venv venv-dev clean
+.PHONY: run test compose-test hosts-test chaos chaos-three bench bench-serve gpu-check proto lint venv venv-dev clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +69,20 @@ hosts-test: venv-dev proto
 
 bench: venv-dev proto
 	$(PY) bench/run_all.py
+
+# PD against colocated on this machine's two cores (docs/bench.md): JSON under bench/out/,
+# plots under docs/bench/. `make bench-serve RATES=0.25,0.5,1`.
+RATES ?= 0.25,0.5,0.75,1
+bench-serve: venv-dev proto
+	$(PY) bench/pd_vs_colocated.py --rates $(RATES)
+	$(PY) bench/plot.py bench/out/pd_vs_colocated.json
+
+# On a machine with CUDA GPUs (docs/gpu.md): logits vs transformers, a GPU mesh, token parity, a
+# short serving run; bench/out/gpu_check.json. Uses the system Python and its CUDA torch (never
+# the venv, whose torch is the pinned CPU build); without a GPU it says so and exits 0.
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) scripts/gpu_check.py
 
 lint: venv-dev
 	$(PY) -m ruff check services tests bench scripts

@@ -8,7 +8,7 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
-BENCHES = ["engine.py", "kv_transfer.py", "watchdog.py", "router_overhead.py"]
+BENCHES = ["engine.py", "kv_transfer.py", "watchdog.py", "router_overhead.py", "migration.py", "pd_vs_colocated.py"]
 
 
 def main() -> int:

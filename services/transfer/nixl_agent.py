@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 from dataclasses import dataclass
 
@@ -25,11 +26,20 @@ from services.transfer.protocol import MemoryKind, MemoryLayout, NixlError, agen
 
 log = logging.getLogger(__name__)
 
-try:  # the wheel is nixl-cu12; its module is nixl_cu12
-    from nixl_cu12._api import nixl_agent, nixl_agent_config
-    from nixl_cu12._bindings import nixlRemoteDisconnectError
-except ImportError as e:  # pragma: no cover - exercised only on broken installs
-    raise ImportError("pdmesh needs the nixl-cu12 package (module nixl_cu12); see requirements.txt") from e
+# The wheel is nixl-cu12 (module nixl_cu12; requirements.txt); with a CUDA 13 build of torch,
+# nixl-cu13 (module nixl_cu13) is preferred when installed (scripts/gpu_check.py, docs/gpu.md).
+_NIXL_MODULES = ("nixl_cu13", "nixl_cu12") if (torch.version.cuda or "").startswith("13") else ("nixl_cu12", "nixl_cu13")
+for _name in _NIXL_MODULES:
+    try:
+        _api = importlib.import_module(f"{_name}._api")
+        nixl_agent, nixl_agent_config = _api.nixl_agent, _api.nixl_agent_config
+        nixlRemoteDisconnectError = importlib.import_module(f"{_name}._bindings").nixlRemoteDisconnectError
+        break
+    except ImportError:
+        continue
+else:  # pragma: no cover - exercised only on broken installs
+    raise ImportError("pdmesh needs the nixl-cu12 package (module nixl_cu12), or nixl-cu13 with a CUDA 13 "
+                      "torch; see requirements.txt")
 
 
 def _route_nixl_logging() -> None:

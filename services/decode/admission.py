@@ -26,13 +26,14 @@ log = get_logger("decode.admission")
 
 
 class Admission:
-    def __init__(self, worker, quarantine_max: float, quarantine_retry: float):
+    def __init__(self, worker, quarantine_max: float, quarantine_retry: float, unreachable_hold: float = 0.0):
         self.worker = worker  # services.decode.worker.DecodeWorker
         self.pool = worker.engine.pool
         self.coordinator = worker.coordinator
         self.attaching: set[Job] = set()  # jobs whose Attach RPC is in flight
         self._quarantine = Quarantine(self.coordinator, self.pool.allocator, worker.pages_freed,
-                                      max_wait=quarantine_max, retry=quarantine_retry)
+                                      max_wait=quarantine_max, retry=quarantine_retry,
+                                      unreachable_hold=unreachable_hold)
         self._work = asyncio.Event()
         self._froze_once = False
 

@@ -42,6 +42,7 @@ async def serve(argv=None) -> None:
     worker = DecodeWorker(
         engine, receiver, coordinator, metrics, faults, args.max_running_requests, args.chunked_prefill_size,
         quarantine_max=args.transfer_timeout, quarantine_retry=min(args.heartbeat_interval, 1.0),
+        quarantine_unreachable_hold=args.transfer_tcp_user_timeout + 1.0 if args.transfer_tcp_user_timeout > 0 else 0.0,
     )
 
     async def heartbeats():

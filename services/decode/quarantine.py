@@ -9,7 +9,9 @@ pages at once: they are held here and released only when
   2. prefill is really gone: the coordinator saw it restart (a new epoch) or declared it dead
      (heartbeat_max_failures heartbeats in a row), or this quarantine's own Abort retries failed
      that many times in a row — never on one UNAVAILABLE, which a prefill in graceful shutdown
-     or a reconnecting channel returns too, or
+     or a reconnecting channel returns too — and at least `unreachable_hold` seconds (the
+     transfer's TCP user timeout + 1 s) have passed, since an unreachable prefill may only be
+     partitioned away with its WRITE still queued, or
   3. `max_wait` has passed (a frozen prefill that never answers): the pages are released with
      a warning, because holding them forever would shrink the pool for good. This is the only
      release that is not proven safe; it is logged as such.
@@ -49,6 +51,7 @@ class Quarantine:
         max_wait: float,
         retry: float,
         clock: Callable[[], float] = time.monotonic,
+        unreachable_hold: float = 0.0,
     ):
         """coordinator: KVReceiveCoordinator (client(addr).abort, prefill_generation(addr),
         heartbeat_max_failures, receiver.agent_name); allocator: the KV pool's PageAllocator
@@ -56,7 +59,11 @@ class Quarantine:
         self.coordinator = coordinator
         self.allocator = allocator
         self.on_freed = on_freed
-        self.max_wait = max_wait
+        # A prefill we cannot reach may only be cut off (a partition), its WRITE still queued in
+        # its kernel: UCX gives up on that connection after its TCP user timeout, so hold pages
+        # at least that long before trusting "gone" (a restart is safe sooner, but looks alike).
+        self.unreachable_hold = unreachable_hold
+        self.max_wait = max(max_wait, unreachable_hold)
         self.retry = retry
         self.clock = clock
         self.held: dict[int, _Held] = {}
@@ -108,6 +115,8 @@ class Quarantine:
                 if why is None and self.coordinator.prefill_generation(h.prefill_addr) != generation:
                     why, kind = "prefill restarted or declared dead by heartbeats", "gone"
                 waited = self.clock() - h.since
+                if kind == "gone" and waited < self.unreachable_hold:
+                    why, kind = None, None  # not yet: its last WRITE may still be in flight
                 if why is None and waited >= self.max_wait:
                     why, kind = f"prefill never let go within {self.max_wait:g}s", "bound"
                 if why is not None:

@@ -50,6 +50,7 @@ class DecodeWorker:
         chunk_budget: int = 512,
         quarantine_max: float = 60.0,
         quarantine_retry: float = 0.5,
+        quarantine_unreachable_hold: float = 0.0,
     ):
         self.engine = engine
         self.receiver = receiver
@@ -59,7 +60,7 @@ class DecodeWorker:
         self.jobs: dict[int, Job] = {}
         self._seq = itertools.count()
         self._bg: set[asyncio.Task] = set()
-        self.admission = Admission(self, quarantine_max, quarantine_retry)
+        self.admission = Admission(self, quarantine_max, quarantine_retry, quarantine_unreachable_hold)
         self.scheduler = DecodeScheduler(self, max_running, chunk_budget)
         receiver.on_terminal = self._on_receiver_terminal
         m = metrics

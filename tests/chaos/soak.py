@@ -180,7 +180,7 @@ class Soak:
             return r.router_gen[0] != r.router_gen[1] or any(b <= r.ended and r.started <= e for b, e in restarts)
 
         failed = [r for r in results if not r.ok]
-        excused = [r for r in failed if at_router_restart(r) and not r.status]
+        excused = [r for r in failed if at_router_restart(r) and r.cause.startswith("connection")]
         unexcused = [r for r in failed if r not in excused]
         hung = [r for r in results if r.cause == "client_timeout" or r.ended - r.started > self.args.request_timeout + 5]
         verify_began = time.monotonic()
@@ -253,6 +253,9 @@ def main(argv=None) -> int:
         soak.mesh.close()
     report["logs"] = str(logs)
     (out / f"report-{name}.json").write_text(json.dumps(report, indent=2))
+    with (out / f"requests-{name}.jsonl").open("w") as f:  # every request, to re-check offline
+        for r in soak.results_for_plot:
+            f.write(json.dumps(asdict(r)) + "\n")
     try:
         from tests.chaos.soak_plot import plot_timeline
         plot_timeline(report, soak.results_for_plot, soak.t0, out / f"timeline-{name}.png")

@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from services.common.config import DecodeSettings, PrefillSettings
 from services.common.faults import Faults
 from services.common.forward_watch import watch_forwards
 from services.common.grpc_server import bind, new_server
@@ -27,7 +28,7 @@ from services.common.supervision import ServingState, Supervisor
 from services.common.worker_http import probe_loop_lag, serve_worker_http
 
 
-def start_worker_process(role: str, args) -> tuple[str, Faults]:
+def start_worker_process(role: str, args: PrefillSettings | DecodeSettings) -> tuple[str, Faults]:
     """Worker id, JSON logging, and the fault spec (logged loudly when any fault is on)."""
     worker_id = args.worker_id or default_worker_id(role, args.grpc_port)
     configure_logging(args.log_level, service=role, worker=worker_id)
@@ -40,7 +41,7 @@ def start_worker_process(role: str, args) -> tuple[str, Faults]:
 @dataclass
 class WorkerParts:
     role: str
-    args: Any  # parsed flags: host, grpc_port, http_port, watchdog_interval
+    args: PrefillSettings | DecodeSettings  # frozen, typed, from the flag table
     worker_id: str
     engine: Any  # services.engine.worker_engine.WorkerEngine
     agent: Any  # services.transfer.nixl_agent.NixlAgent
@@ -56,9 +57,6 @@ class WorkerParts:
     # the timeout). Runs on the loop while the forward is still stuck on the engine thread.
     on_stuck_forward: Callable[[str], None] = lambda reason: None
     faults: Faults = field(default_factory=Faults)  # crash_task applies here
-
-
-DEFAULT_FORWARD_TIMEOUT = 300.0
 
 
 async def run_worker(w: WorkerParts) -> None:
@@ -86,7 +84,7 @@ async def run_worker(w: WorkerParts) -> None:
         }
 
     interval = w.args.watchdog_interval
-    forward_timeout = getattr(w.args, "forward_timeout", DEFAULT_FORWARD_TIMEOUT)
+    forward_timeout = w.args.forward_timeout
     http = await serve_worker_http(w.args.host, w.args.http_port, w.metrics, health_body, sup)
     w.poller.start(sup.spawn)
     for name, loop in w.loops.items():

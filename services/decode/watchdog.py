@@ -1,6 +1,6 @@
 """Decode's watchdog sweep: evict rooms older in their queue than that queue's deadline.
 
-Queue <-> receiver state (DESIGN.md §3): prealloc = Bootstrapping (waiting for pages or for the
+Queue <-> receiver state (docs/architecture.md, "Queues, states and clocks"): prealloc = Bootstrapping (waiting for pages or for the
 attach), transfer phase 2 = Transferring (clock from prefill's forward-done signal). Phase 1
 (WaitingForInput: prefill still computing) has no clock: the heartbeats bound it by prefill's
 liveness, so a prefill of many minutes is never failed here. A colocated job has no receiver

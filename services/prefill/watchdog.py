@@ -1,6 +1,6 @@
 """Prefill's watchdog sweep: evict rooms older in their queue than that queue's deadline.
 
-Queue <-> sender state (DESIGN.md §3): bootstrap = Bootstrapping (decode has not attached),
+Queue <-> sender state (docs/architecture.md, "Queues, states and clocks"): bootstrap = Bootstrapping (decode has not attached),
 inflight = Transferring (KV posted, not done). The waiting queue has no clock: a room there is
 computing or about to. The clock is the time the room entered its current state, so a long
 prefill never counts against the inflight deadline. The same tick drives the sender's own

@@ -5,7 +5,7 @@
 - :class:`KVReceiveCoordinator` — decode-side flow on top of a KVReceiver: register once per
   prefill (again after it restarted or dropped us), attach rooms, heartbeat every prefill that
   holds rooms and fail rooms that prefill no longer holds or that wait on an unreachable
-  prefill (DESIGN.md §3, transfer phase 1).
+  prefill (docs/architecture.md, transfer phase 1).
 
 Errors carry a machine-readable kind in the trailing metadata key ``pdmesh-error``.
 A protocol version mismatch is FAILED_PRECONDITION naming both versions, on both sides.

@@ -8,7 +8,7 @@
 - An event for a room the table does not hold (never created, or already removed) is dropped
   and counted; it never recreates the room.
 - Every room records the monotonic time it entered its current state. The workers map states
-  to their queues (DESIGN.md §3), so this is the queue-entry time the watchdog measures from.
+  to their queues (docs/architecture.md), so this is the queue-entry time the watchdog measures from.
 
 What each state means on each side:
 

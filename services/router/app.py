@@ -24,7 +24,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from services.common.metrics import CONTENT_TYPE, Metrics
 from services.common.tokenizer import BUILTIN_NAMES, Tokenizer, load_tokenizer
 from services.router import errors, openapi
 from services.router.errors import APIError
+from services.router.fanout import FanIn
 from services.router.orchestrator import Orchestrator, new_room
 from services.router.output import TokenStrings
 from services.router.pool import WorkerPool
@@ -242,7 +243,10 @@ class Router:
 
 
 class _Run:
-    """One admitted generation request: drives the orchestrator, records metrics, logs its end."""
+    """One admitted generation request: drives the orchestrator, records metrics, logs its end.
+
+    With n > 1 every choice is its own orchestrator run (router fan-out, services/router/fanout.py)
+    with seed + index; the response is assembled from one ResponseState per choice."""
 
     def __init__(self, router: Router, spec: GenerateSpec, request_id: int, t0: float, deadline: float):
         self.router = router
@@ -250,30 +254,60 @@ class _Run:
         self.request_id = request_id
         self.t0 = t0
         self.deadline = deadline
-        self.state = ResponseState(spec, router.tokenizer, router.token_strings, f"{request_id:016x}")
-        self.gen = router.orchestrator.generate(
-            spec, deadline, router.settings.request_timeout, first_room=request_id
-        )
-        self.last_token_at: float | None = None
+        rid = f"{request_id:016x}"
+        self.states = [ResponseState(spec, router.tokenizer, router.token_strings, rid, index=i)
+                       for i in range(spec.n)]
+        self.state = self.states[0]
+        self.fan = FanIn([
+            router.orchestrator.generate(replace(spec, seed=spec.choice_seed(i)), deadline,
+                                         router.settings.request_timeout, first_room=request_id if i == 0 else None)
+            for i in range(spec.n)
+        ])
+        self.last_token_at: list[float | None] = [None] * spec.n
         self.ttft: float | None = None
+        self._ended: set[int] = set()  # choices whose last chunk (with a finish reason) was read
         self._finished = False
 
-    def feed(self, chunk) -> tuple[str, list]:
+    @property
+    def all_finished(self) -> bool:
+        return all(s.finished for s in self.states)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(s.completion_tokens for s in self.states)
+
+    def feed(self, index: int, chunk) -> tuple[str, list]:
         now = time.monotonic()
         n = len(chunk.token_ids)
         m = self.router.metrics
-        if self.last_token_at is None:
+        if self.ttft is None:
             self.ttft = now - self.t0
             m.observe(m.time_to_first_token, self.ttft)
-        elif n:
-            gap = (now - self.last_token_at) / n
+        last = self.last_token_at[index]
+        if last is not None and n:
+            gap = (now - last) / n
             for _ in range(n):
                 m.observe(m.inter_token_latency, gap)
-        self.last_token_at = now
-        before = self.state.completion_tokens
-        out = self.state.feed(chunk)
-        m.inc(m.generation_tokens, self.state.completion_tokens - before)
+        self.last_token_at[index] = now
+        state = self.states[index]
+        before = state.completion_tokens
+        out = state.feed(chunk)
+        m.inc(m.generation_tokens, state.completion_tokens - before)
         return out
+
+    async def next(self) -> tuple[int, object]:
+        """The next chunk of a choice still running (a stream that ended early is an error)."""
+        while True:
+            index, chunk = await self.fan.next()
+            if self.states[index].finished:
+                continue  # a stop string ended it: what its stream still had is dropped
+            if chunk is None:
+                if index in self._ended:
+                    continue  # its generator's end, after the chunk with the finish reason
+                raise errors.upstream_failed("the decode stream ended early")
+            if chunk.finish_reason:
+                self._ended.add(index)
+            return index, chunk
 
     def finish(self, status: int, error: str | None = None) -> None:
         """Record the outcome once: metrics, the concurrency slot, one log line."""
@@ -289,8 +323,8 @@ class _Run:
         if status == CLIENT_CLOSED:
             r.metrics.inc(r.metrics.num_aborted_requests)
         fields = dict(
-            status=status, stream=self.spec.stream, prompt_tokens=self.state.prompt_tokens,
-            completion_tokens=self.state.completion_tokens, finish_reason=self.state.finish_reason,
+            status=status, stream=self.spec.stream, prompt_tokens=self.state.prompt_tokens, n=self.spec.n,
+            completion_tokens=self.completion_tokens, finish_reason=self.state.finish_reason,
             ttft_s=None if self.ttft is None else round(self.ttft, 4), e2e_s=round(e2e, 4),
         )
         if error:
@@ -299,18 +333,18 @@ class _Run:
             log.info("request done", **fields)
 
     async def _collect(self) -> None:
-        async for chunk in self.gen:
-            self.feed(chunk)
-            if self.state.finished:
-                break
-        await self.gen.aclose()  # a stop string ends us early: cancel the Decode RPC now
+        while not self.all_finished:
+            index, chunk = await self.next()
+            self.feed(index, chunk)
+            if self.states[index].finished:
+                await self.fan.close(index)  # a stop string ends it early: cancel its Decode RPC now
 
     async def complete(self, request: Request) -> Response:
         status, error = 500, "internal error"
         try:
             await run_until_disconnect(self._collect(), request.receive)
             status, error = 200, None
-            return JSONResponse(self.state.body(), headers={"X-Request-Id": f"{self.request_id:016x}"})
+            return JSONResponse(self.state.body(self.states), headers={"X-Request-Id": f"{self.request_id:016x}"})
         except APIError as e:
             status, error = e.status, e.message
             return error_json(e, self.request_id)
@@ -318,22 +352,29 @@ class _Run:
             status, error = CLIENT_CLOSED, "client disconnected"
             return Response(status_code=CLIENT_CLOSED)
         finally:
-            await self.gen.aclose()
+            await self.fan.close()
             self.finish(status, error)
+
+    async def _first_of_each(self) -> list[tuple[int, object]]:
+        """Chunks until every choice has sent one: failures before that are still an HTTP status."""
+        got: list[tuple[int, object]] = []
+        while len({i for i, _ in got}) < self.spec.n:
+            got.append(await self.next())
+        return got
 
     async def stream(self, request: Request) -> Response:
         try:
-            first = await run_until_disconnect(self.gen.__anext__(), request.receive)
+            first = await run_until_disconnect(self._first_of_each(), request.receive)
         except APIError as e:
-            await self.gen.aclose()
+            await self.fan.close()
             self.finish(e.status, e.message)
             return error_json(e, self.request_id)
         except ClientDisconnected:
-            await self.gen.aclose()
+            await self.fan.close()
             self.finish(CLIENT_CLOSED, "client disconnected")
             return Response(status_code=CLIENT_CLOSED)
         except BaseException:
-            await self.gen.aclose()
+            await self.fan.close()
             self.finish(500, "internal error before the first token")
             raise
         outcome: dict[str, Any] = {"status": 200, "error": None}
@@ -343,7 +384,7 @@ class _Run:
             # event generator ever ran, nothing else would (its finally never starts), and the
             # Decode RPC would live on until garbage collection found the generator.
             try:
-                await self.gen.aclose()
+                await self.fan.close()
             finally:
                 if disconnected:
                     self.finish(CLIENT_CLOSED, "client disconnected mid-stream")
@@ -357,26 +398,26 @@ class _Run:
             headers={"X-Request-Id": f"{self.request_id:016x}"},
         )
 
-    async def _events(self, first, outcome: dict[str, Any]) -> AsyncIterator[bytes]:
-        state = self.state
+    async def _events(self, first: list[tuple[int, object]], outcome: dict[str, Any]) -> AsyncIterator[bytes]:
         try:
             if self.spec.kind == "chat":
-                yield sse_event(state.role_chunk())
-            chunk = first
+                for state in self.states:
+                    yield sse_event(state.role_chunk())
+            pending = list(first)
             while True:
-                text, entries = self.feed(chunk)
+                index, chunk = pending.pop(0) if pending else await self.next()
+                state = self.states[index]
+                text, entries = self.feed(index, chunk)
                 payload = state.delta_chunk(text, entries, state.finish_reason)
                 if payload is not None:
                     yield sse_event(payload)
                 if state.finished:
-                    break
-                try:
-                    chunk = await self.gen.__anext__()
-                except StopAsyncIteration:
-                    raise errors.upstream_failed("the decode stream ended early") from None
-            await self.gen.aclose()  # a stop string: cancel the Decode RPC before the last bytes go out
+                    # a stop string: cancel its Decode RPC before the last bytes go out
+                    await self.fan.close(index)
+                    if self.all_finished:
+                        break
             if self.spec.include_usage:
-                yield sse_event(state.usage_chunk())
+                yield sse_event(self.state.usage_chunk(self.states))
         except APIError as e:
             outcome.update(status=e.status, error=e.message)
             yield sse_event(e.body())
@@ -386,7 +427,7 @@ class _Run:
             outcome.update(status=500, error=repr(e))
             yield sse_event(error.body())
         finally:
-            await self.gen.aclose()
+            await self.fan.close()
         yield DONE
 
 

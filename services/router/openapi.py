@@ -42,10 +42,13 @@ class _Sampling(_Body):
     skip_special_tokens: bool | None = Field(None, description="vLLM extension")
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: int | None = Field(None, description="Only 1 is supported")
-    presence_penalty: float | None = Field(None, description="Only 0 is supported")
-    frequency_penalty: float | None = Field(None, description="Only 0 is supported")
-    logit_bias: dict[str, float] | None = Field(None, description="Only empty is supported")
+    n: int | None = Field(None, ge=1, le=16, description="Choices; choice i samples with seed + i (vLLM's rule)")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="Over generated tokens (vLLM's definition)")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="Over generated tokens (vLLM's definition)")
+    repetition_penalty: float | None = Field(None, gt=0, le=10,
+                                             description="vLLM extension; over prompt + generated tokens")
+    logit_bias: dict[str, float] | None = Field(None, description="Token id -> bias in [-100, 100], added to the logits")
+    min_tokens: int | None = Field(None, ge=0, description="vLLM extension; stop tokens are held back until then")
     user: str | None = None
 
 
@@ -55,7 +58,7 @@ class CompletionRequest(_Sampling):
     )
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool | None = None
-    best_of: int | None = Field(None, description="Only 1 is supported")
+    best_of: int | None = Field(None, description="Only equal to n is supported")
 
 
 class TextPart(_Body):

@@ -1,8 +1,10 @@
 """Token chunks → OpenAI response objects (one JSON body, or SSE chunk payloads).
 
-`ResponseState` is fed the decode chunks of one request and keeps the text (via OutputText:
+`ResponseState` is fed the decode chunks of one choice and keeps the text (via OutputText:
 detokenization + stop strings), the usage counts and the logprobs. It builds exactly the
-shapes OpenAI returns for /v1/completions and /v1/chat/completions, streaming or not.
+shapes OpenAI returns for /v1/completions and /v1/chat/completions, streaming or not; with
+n > 1 there is one state per choice (`index`), and `body()`/`usage()` take all of them: the
+prompt is counted once and completion tokens are summed, as OpenAI reports usage.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ def _lp(value: float) -> float:
 
 
 class ResponseState:
-    def __init__(self, spec: GenerateSpec, tokenizer: Tokenizer, token_strings: TokenStrings, request_id: str):
+    def __init__(self, spec: GenerateSpec, tokenizer: Tokenizer, token_strings: TokenStrings, request_id: str,
+                 index: int = 0):
         self.spec = spec
+        self.index = index
         self.token_strings = token_strings
         prefix = "cmpl-" if spec.kind == "completion" else "chatcmpl-"
         self.id = prefix + request_id
@@ -74,11 +78,13 @@ class ResponseState:
     def text(self) -> str:
         return (self.spec.echo_text if self.spec.echo else "") + self.out.text
 
-    def usage(self) -> dict[str, int]:
+    def usage(self, states: list[ResponseState] | None = None) -> dict[str, int]:
+        """Usage of the whole request: the prompt once, completion tokens of every choice."""
+        completion = sum(s.completion_tokens for s in states or [self])
         return {
             "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
         }
 
     # --- logprobs -----------------------------------------------------------------------------
@@ -108,32 +114,32 @@ class ResponseState:
 
     # --- bodies -------------------------------------------------------------------------------
 
-    def body(self) -> dict[str, Any]:
-        """The non-streaming response."""
+    def choice(self) -> dict[str, Any]:
         if self.spec.kind == "completion":
-            choice = {
-                "index": 0,
+            return {
+                "index": self.index,
                 "text": self.text,
                 "logprobs": self._completion_logprobs(self.entries),
                 "finish_reason": self.finish_reason,
             }
-            obj = "text_completion"
-        else:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": self.text, "refusal": None},
-                "logprobs": self._chat_logprobs(self.entries),
-                "finish_reason": self.finish_reason,
-            }
-            obj = "chat.completion"
+        return {
+            "index": self.index,
+            "message": {"role": "assistant", "content": self.text, "refusal": None},
+            "logprobs": self._chat_logprobs(self.entries),
+            "finish_reason": self.finish_reason,
+        }
+
+    def body(self, states: list[ResponseState] | None = None) -> dict[str, Any]:
+        """The non-streaming response (`states`: every choice's state, this one first; default just this)."""
+        states = states or [self]
         return {
             "id": self.id,
-            "object": obj,
+            "object": "text_completion" if self.spec.kind == "completion" else "chat.completion",
             "created": self.created,
             "model": self.spec.model,
             "system_fingerprint": None,
-            "choices": [choice],
-            "usage": self.usage(),
+            "choices": [s.choice() for s in states],
+            "usage": self.usage(states),
         }
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -152,7 +158,8 @@ class ResponseState:
     def role_chunk(self) -> dict[str, Any]:
         """Chat streams open with the assistant role and empty content, as OpenAI's do."""
         return self._chunk(
-            [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+            [{"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+              "finish_reason": None}]
         )
 
     def delta_chunk(self, text: str, entries, finish_reason: str | None) -> dict[str, Any] | None:
@@ -161,21 +168,21 @@ class ResponseState:
             return None
         if self.spec.kind == "completion":
             choice = {
-                "index": 0,
+                "index": self.index,
                 "text": text,
                 "logprobs": self._completion_logprobs(entries) if entries else None,
                 "finish_reason": finish_reason,
             }
         else:
             choice = {
-                "index": 0,
+                "index": self.index,
                 "delta": {"content": text} if text or finish_reason is None else {},
                 "logprobs": self._chat_logprobs(entries) if entries else None,
                 "finish_reason": finish_reason,
             }
         return self._chunk([choice])
 
-    def usage_chunk(self) -> dict[str, Any]:
+    def usage_chunk(self, states: list[ResponseState] | None = None) -> dict[str, Any]:
         obj = self._chunk([])
-        obj["usage"] = self.usage()
+        obj["usage"] = self.usage(states)
         return obj

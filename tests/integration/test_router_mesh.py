@@ -145,7 +145,7 @@ def test_bad_inputs_get_4xx_and_never_reach_a_worker(basic):
         ("/v1/chat/completions", json.dumps({**ok_chat, "max_tokens": -1}).encode(), 400),
         ("/v1/chat/completions", json.dumps({**ok_chat, "max_tokens": 10**7}).encode(), 400),
         ("/v1/chat/completions", json.dumps({**ok_chat, "messages": []}).encode(), 400),
-        ("/v1/chat/completions", json.dumps({**ok_chat, "n": 2}).encode(), 400),
+        ("/v1/chat/completions", json.dumps({**ok_chat, "n": 17}).encode(), 400),
         ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x" * 9000}).encode(), 400),  # > context
         ("/v1/completions", json.dumps({"model": MODEL, "prompt": [1, 2, 99999]}).encode(), 400),
         ("/v1/completions", json.dumps({"model": "gpt-4", "prompt": "hi"}).encode(), 404),

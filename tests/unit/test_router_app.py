@@ -261,7 +261,7 @@ def raw_post(c: Cluster, path: str, data: bytes, headers=None) -> httpx.Response
         ("/v1/completions", json.dumps(completion(max_tokens=-3)).encode(), 400, "max_tokens"),
         ("/v1/completions", json.dumps(completion(max_tokens=10**9)).encode(), 400, "max_tokens"),
         ("/v1/completions", json.dumps(completion(prompt="x" * 9000)).encode(), 400, "prompt"),
-        ("/v1/completions", json.dumps(completion(n=3)).encode(), 400, "n"),
+        ("/v1/completions", json.dumps(completion(n=17)).encode(), 400, "n"),
         ("/v1/completions", json.dumps(completion(model="other")).encode(), 404, "model"),
         ("/v1/chat/completions", json.dumps(chat(messages=[])).encode(), 400, "messages"),
         ("/v1/chat/completions", json.dumps(chat(temperature="hot")).encode(), 400, "temperature"),
@@ -501,7 +501,7 @@ def test_openai_sdk_against_fakes(cluster):
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == "Hello"
     assert chunks[-1].usage.completion_tokens == 5
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=MODEL, prompt="hi", max_tokens=5, n=2)
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=5, n=17)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="hi")
     # failing after every 2 tokens: the request migrates twice (--max-migrations), then gives up

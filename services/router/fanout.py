@@ -1,0 +1,50 @@
+"""n > 1: one orchestrator generator per choice, read concurrently (router fan-out).
+
+Each choice is a full request on the workers (its own pair, room and seed), so it fails over and
+migrates on its own exactly as a single request does; `FanIn.next()` hands back whichever choice
+has a chunk first. A request with n = 1 goes through the same path with one generator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from services.router.orchestrator import Chunk
+
+
+class FanIn:
+    def __init__(self, gens: list[AsyncIterator[Chunk]]):
+        self.gens = gens
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks = [asyncio.ensure_future(self._pump(i, g)) for i, g in enumerate(gens)]
+
+    async def _pump(self, index: int, gen: AsyncIterator[Chunk]) -> None:
+        try:
+            async for chunk in gen:
+                self._queue.put_nowait((index, chunk, None))
+            self._queue.put_nowait((index, None, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - APIError or a bug: the reader re-raises it
+            self._queue.put_nowait((index, None, e))
+
+    async def next(self) -> tuple[int, Chunk | None]:
+        """(choice index, its next chunk), or (index, None) when that choice's stream ended.
+        Raises what a choice's generator raised (an APIError)."""
+        index, chunk, exc = await self._queue.get()
+        if exc is not None:
+            raise exc
+        return index, chunk
+
+    async def close(self, index: int | None = None) -> None:
+        """Stop one choice (a stop string ended it: its Decode RPC is cancelled) or all of them."""
+        picked = range(len(self._tasks)) if index is None else [index]
+        for i in picked:
+            self._tasks[i].cancel()
+        for i in picked:
+            with contextlib.suppress(BaseException):
+                await self._tasks[i]
+            with contextlib.suppress(BaseException):
+                await self.gens[i].aclose()  # type: ignore[attr-defined]

@@ -1,0 +1,125 @@
+"""n > 1 and the sampling controls through the router, on real prefill + decode processes.
+
+- n = 4 with a seed: four completions, the same on a second run, choice i equal to the n = 1
+  completion with seed + i; streamed, each delta carries its choice's `index` and the chunks
+  reassemble to the same four texts; usage counts the prompt once and sums the completions.
+  The prompt is computed once per choice (router fan-out): prefill's prompt-token counter shows it.
+- penalties and logit_bias set in the OpenAI request reach both workers: greedy output equals
+  single-process generation with the same control.
+One mesh for the module.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from services.common.builtin_tokenizer import BuiltinTokenizer
+from services.common.sampling_params import SamplingParams
+from services.engine.kv_pool import KVPool
+from services.engine.loader import load_model
+from services.engine.local_generate import generate_full
+from tests.integration.mesh import Mesh
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+MODEL = "pdmesh-tiny"
+TOK = BuiltinTokenizer()
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory):
+    m = Mesh(tmp_path_factory.mktemp("choices"))
+    try:
+        p = m.start_prefill(wait=False)
+        d = m.start_decode(wait=False)
+        m.wait_healthy(p)
+        m.wait_healthy(d)
+        r = m.start_router([p], [d], "--request-timeout", "60")
+        yield m, p, d, r
+    finally:
+        m.close()
+
+
+def _post(r, path: str, body: dict) -> dict:
+    resp = httpx.post(r.http_url + path, json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def _stream(r, path: str, body: dict) -> list[dict]:
+    events = []
+    with httpx.stream("POST", r.http_url + path, json={**body, "stream": True}, timeout=60) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    return events
+
+
+def test_n_choices_are_seeded_reproducible_and_streamed_with_their_index(router):
+    m, p, d, r = router
+    body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 1.0, "seed": 1234,
+            "n": 4}
+    prompt_len = len(TOK.encode(body["prompt"]))
+    before = p.metrics().get("pdmesh:prompt_tokens_total", 0.0)
+    out = _post(r, "/v1/completions", body)
+    texts = [c["text"] for c in sorted(out["choices"], key=lambda c: c["index"])]
+    assert [c["index"] for c in sorted(out["choices"], key=lambda c: c["index"])] == [0, 1, 2, 3]
+    assert len(set(texts)) > 1  # four different seeds
+    assert out["usage"]["prompt_tokens"] == prompt_len
+    assert out["usage"]["completion_tokens"] == 4 * 12
+    assert out["usage"]["total_tokens"] == prompt_len + 48
+    # router fan-out: each choice is a full request on the workers, so prefill computed the prompt 4 times
+    assert p.metrics()["pdmesh:prompt_tokens_total"] - before == 4 * prompt_len
+
+    again = _post(r, "/v1/completions", body)
+    assert [c["text"] for c in sorted(again["choices"], key=lambda c: c["index"])] == texts
+    for i in range(4):
+        one = _post(r, "/v1/completions", {**body, "n": 1, "seed": 1234 + i})
+        assert one["choices"][0]["text"] == texts[i]
+
+    events = _stream(r, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    streamed = ["", "", "", ""]
+    finished = set()
+    for ev in events:
+        for c in ev["choices"]:
+            streamed[c["index"]] += c["text"]
+            if c["finish_reason"]:
+                finished.add(c["index"])
+    assert streamed == texts and finished == {0, 1, 2, 3}
+    assert events[-1]["usage"]["completion_tokens"] == 48
+
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "seed": 9, "n": 3}
+    full = _post(r, "/v1/chat/completions", chat)
+    contents = [c["message"]["content"] for c in sorted(full["choices"], key=lambda c: c["index"])]
+    deltas = ["", "", ""]
+    roles = set()
+    for ev in _stream(r, "/v1/chat/completions", chat):
+        for c in ev["choices"]:
+            if c["delta"].get("role"):
+                roles.add(c["index"])
+            deltas[c["index"]] += c["delta"].get("content") or ""
+    assert deltas == contents and roles == {0, 1, 2}
+    m.assert_invariants()
+
+
+def test_controls_set_in_the_request_reach_both_workers(router):
+    m, p, d, r = router
+    model = load_model(None)
+    prompt = "abcabcabc hello hello"
+    ids = TOK.encode(prompt)
+    controls = [
+        ({"presence_penalty": 1.5, "frequency_penalty": 0.7}, dict(presence_penalty=1.5, frequency_penalty=0.7)),
+        ({"repetition_penalty": 1.5}, dict(repetition_penalty=1.5)),
+        ({"logit_bias": {str(ord("z")): 6.0}}, dict(logit_bias=((ord("z"), 6.0),))),
+    ]
+    for request, kw in controls:
+        out = _post(r, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0,
+                                           "ignore_eos": True, **request})
+        ref = generate_full(model.model, KVPool(model.config, 16, 16), [ids],
+                            [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, **kw)])[0]
+        assert out["choices"][0]["text"] == TOK.decode(ref.token_ids), request
+    m.assert_invariants()

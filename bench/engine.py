@@ -4,7 +4,10 @@ Prints JSON: prefill and decode tokens/s of our paged engine and of transformers
 (its own KV cache) at batch 1, 8, 32 on the built-in model, and the ratios ours/transformers.
 Also our prefill of mixed-length prompts with stacked (padded) attention vs one call per
 prompt, in the same run (`mixed_prefill`).
-Usage: python bench/engine.py [--prompt-len 128] [--new-tokens 32] [--repeats 3]
+Also the sampler's cost per token (`sampling`): plain (greedy and top-p) against penalties
+(presence + frequency + repetition, state rebuilt from a 256 + 64 token history) and logit_bias,
+at batch 1 and 32 (`--sampling-only` runs just that part).
+Usage: python bench/engine.py [--prompt-len 128] [--new-tokens 32] [--repeats 3] [--sampling-only]
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from services.engine.kv_pool import KVPool  # noqa: E402
 from services.engine.loader import load_model  # noqa: E402
+from services.common.sampling_params import SamplingParams  # noqa: E402
 from services.engine.runner import DecodeItem, ModelRunner, PrefillItem  # noqa: E402
+from services.engine.sampler import Sampler  # noqa: E402
 
 
 def to_transformers(loaded):
@@ -123,15 +128,50 @@ def bench_transformers(hf, batch: int, prompt_len: int, new_tokens: int, repeats
     }
 
 
+SAMPLING_CASES = {
+    "greedy": dict(temperature=0.0),
+    "top_p": dict(temperature=0.8, top_p=0.9, seed=1),
+    "greedy+penalties": dict(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2),
+    "top_p+penalties": dict(temperature=0.8, top_p=0.9, seed=1, presence_penalty=0.5, frequency_penalty=0.5,
+                            repetition_penalty=1.2),
+    "greedy+logit_bias": dict(temperature=0.0, logit_bias=tuple((t, 5.0) for t in range(0, 200, 10))),
+}
+
+
+def bench_sampling(vocab: int, batch: int, repeats: int, steps: int = 20) -> dict:
+    """Microseconds per sampled token for each case (random logits, a 256 + 64 token history)."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(batch, vocab, generator=gen) * 3
+    histories = [(torch.randint(0, vocab, (256,), generator=gen).tolist(),
+                  torch.randint(0, vocab, (64,), generator=gen).tolist()) for _ in range(batch)]
+    sampler, out = Sampler(), {}
+    for name, kw in SAMPLING_CASES.items():
+        params = [SamplingParams(max_tokens=512, **kw)] * batch
+
+        def run(params=params):
+            for s in range(steps):
+                sampler.sample(logits, params, [320 + s] * batch, histories)
+
+        out[name] = best_of(run, repeats) / (steps * batch) * 1e6
+    return {"batch": batch, "us_per_token": {k: round(v, 1) for k, v in out.items()},
+            "vs_plain": {k: round(v / out["greedy" if k.startswith("greedy") else "top_p"], 2) for k, v in out.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--sampling-only", action="store_true", help="only the sampler's cost per token")
     args = ap.parse_args()
     torch.manual_seed(0)
     loaded = load_model(None)
+    sampling = [bench_sampling(loaded.config.vocab_size, b, args.repeats) for b in (1, 32)]
+    if args.sampling_only:
+        print(json.dumps({"bench": "engine", "model": loaded.config.name, "vocab_size": loaded.config.vocab_size,
+                          "torch_threads": torch.get_num_threads(), "sampling": sampling}, indent=2))
+        return
     hf = to_transformers(loaded)
     diff = same_weights_check(loaded, hf)
     rows = []
@@ -159,6 +199,7 @@ def main() -> None:
                 "same_weights_max_abs_logit_diff": diff,
                 "results": rows,
                 "mixed_prefill": [bench_mixed_prefill(loaded, b, args.repeats) for b in (8, 32)],
+                "sampling": sampling,
             },
             indent=2,
         )

@@ -22,9 +22,9 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
+from services.common.sampling_params import SamplingParams  # noqa: E402
 from services.engine.kv_pool import KVPool  # noqa: E402
 from services.engine.loader import load_model  # noqa: E402
-from services.common.sampling_params import SamplingParams  # noqa: E402
 from services.engine.runner import DecodeItem, ModelRunner, PrefillItem  # noqa: E402
 from services.engine.sampler import Sampler  # noqa: E402
 

@@ -16,6 +16,9 @@ Measured (bench/serve.py, client side):
   goodput    the highest swept rate at which >= 90 % of requests meet TTFT <= X and p99 ITL <= Y
   mixed ITL  p99 ITL of PD and colocated at --itl-rate, side by side with their ratio; every
              token's time is saved for the ITL-over-time plot (bench/plot.py)
+  interference  8 short requests decoding (400 tokens each) when one --interference-len prompt
+             arrives: their ITLs while it is computed, PD against colocated (the mechanism
+             behind the mixed workload's tail, isolated)
   KV share   PD, one request at a time, prompts of 512 and 4,096 tokens: prefill's
              kv_transfer_latency_seconds histogram (its delta over the request) against the
              client's TTFT
@@ -33,8 +36,12 @@ import json
 import os
 import pathlib
 import platform
+import random
 import sys
 import tempfile
+import time
+
+import httpx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
@@ -108,6 +115,39 @@ def kv_share(args, meshes: dict) -> list[dict]:
     return rows
 
 
+async def _interference(base_url: str, streams: int, long_len: int, delay: float) -> dict:
+    """`streams` short requests decode (prompt 32, 400 tokens); after `delay` s one `long_len`
+    prompt arrives. ITLs of the short streams, overall and while the long prompt is computed."""
+    rng = random.Random(5)
+    args = serve.parser().parse_args(["--base-url", base_url])
+    specs = [serve.Spec(i, "short", [rng.randrange(32, 127) for _ in range(32)], 400) for i in range(streams)]
+    long_spec = serve.Spec(streams, "long", [rng.randrange(32, 127) for _ in range(long_len)], 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        t0 = time.perf_counter()
+        shorts = [asyncio.ensure_future(serve.one(client, args, s, t0, 0.0)) for s in specs]
+        await asyncio.sleep(delay)
+        long_r = await serve.one(client, args, long_spec, t0, delay)
+        results = await asyncio.gather(*shorts)
+    window = (delay, delay + (long_r.ttft or 0.0))
+    during = [b - a for r in results for a, b in zip(r.token_times, r.token_times[1:], strict=False)
+              if window[0] <= b <= window[1]]
+    all_itls = [x for r in results for x in r.itls]
+    return {"streams": streams, "long_prompt_tokens": long_len, "long_ttft_ms": long_r.ttft and round(long_r.ttft * 1e3, 1),
+            "errors": sum(not r.ok for r in results) + (not long_r.ok),
+            "itl_ms_all": serve.stats_ms(all_itls), "itl_ms_during_long_prefill": serve.stats_ms(during)}
+
+
+def interference(args, meshes: dict) -> dict:
+    out = {}
+    for mode in ("pd", "colocated"):
+        out[mode] = asyncio.run(_interference(meshes[mode].http_url, 8, args.interference_len, 3.0))
+        meshes["mesh"].assert_invariants(timeout=120)
+        print(f"[interference] {mode}: {out[mode]}", file=sys.stderr, flush=True)
+    pd, co = out["pd"]["itl_ms_during_long_prefill"], out["colocated"]["itl_ms_during_long_prefill"]
+    out["max_itl_during_long_prefill_colocated_over_pd"] = round(co["max"] / pd["max"], 2) if pd["max"] and co["max"] else None
+    return out
+
+
 def goodput_rate(points: list[dict], mode: str) -> float | None:
     ok = [p["rate"] for p in points if p[mode]["goodput"]["fraction"] >= 0.9]
     return max(ok) if ok else None
@@ -130,6 +170,8 @@ def main(argv=None) -> int:
     ap.add_argument("--slo-itl-ms", type=float, default=250.0)
     ap.add_argument("--drain-timeout", type=float, default=60.0)
     ap.add_argument("--kv-reps", type=int, default=2)
+    ap.add_argument("--interference-len", type=int, default=4096,
+                    help="the long prompt that arrives while 8 short requests decode")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-kv", action="store_true")
     ap.add_argument("--out", default="bench/out/pd_vs_colocated.json")
@@ -146,14 +188,14 @@ def main(argv=None) -> int:
     req_dir.mkdir(parents=True, exist_ok=True)
     report = {"command": "python bench/pd_vs_colocated.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "machine": machine(), "split": SPLIT, "chunked_prefill_size": CHUNK,
-              "workload": (f"mixed: {1 - args.long_fraction:.0%} short (prompt 16-64, output 96-160), "
+              "workload": (f"mixed: {1 - args.long_fraction:.0%} short (prompt 16-64, output 256-512), "
                            f"{args.long_fraction:.0%} long (prompt {args.long_len}, output 8)"),
               "slo": {"ttft_ms": args.slo_ttft_ms, "itl_p99_ms": args.slo_itl_ms}, "sweep": []}
     with tempfile.TemporaryDirectory(prefix="pdmesh-bench-") as tmp:
         meshes = start_meshes(pathlib.Path(tmp))
         try:
             for rate in rates:
-                point = {"rate": rate}
+                point = {"rate": rate, "load_avg_1m_at_start": round(os.getloadavg()[0], 2)}
                 n = max(8, int(round(rate * args.duration)))
                 for mode in ("pd", "colocated"):
                     print(f"[sweep] {mode} rate={rate} n={n}", file=sys.stderr, flush=True)
@@ -168,6 +210,7 @@ def main(argv=None) -> int:
                 report["sweep"].append(point)
                 print(f"[sweep] rate={rate}: p99 ITL pd {point['pd']['itl_ms']['p99']} ms, colocated "
                       f"{point['colocated']['itl_ms']['p99']} ms", file=sys.stderr, flush=True)
+            report["interference"] = interference(args, meshes)
             if not args.skip_kv:
                 report["kv_share"] = kv_share(args, meshes)
         finally:

@@ -10,7 +10,7 @@ gap between consecutive content chunks) and the end-to-end latency (E2E).
 Workloads (named, seeded; lengths in tokens, uniform in the ranges):
   chat    prompt 32-256, output 32-128
   rag     prompt 2048-4096, output 16-64
-  mixed   short requests (prompt 16-64, output 96-160) with long prompts among them
+  mixed   short requests (prompt 16-64, output --short-output, default 256-512) with long prompts among them
           (--long-fraction, default 0.15: prompt --long-len, default 1024, output 8): long
           prompts arrive while short requests decode, the case disaggregation is for
   fixed   every request --input-len / --output-len
@@ -84,7 +84,8 @@ def make_workload(args) -> list[Spec]:
             if rng.random() < args.long_fraction:
                 kind, p, o = "long", args.long_len, 8
             else:
-                kind, p, o = "short", rng.randint(16, 64), rng.randint(96, 160)
+                lo, hi = (int(x) for x in args.short_output.split(","))
+                kind, p, o = "short", rng.randint(16, 64), rng.randint(lo, hi)
         else:
             kind, p, o = "fixed", args.input_len, args.output_len
         specs.append(Spec(i, kind, ids(p), o))
@@ -270,6 +271,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=64, help="fixed workload")
     p.add_argument("--long-len", type=int, default=1024, help="mixed workload: the long prompts' length")
     p.add_argument("--long-fraction", type=float, default=0.15, help="mixed workload: share of long prompts")
+    p.add_argument("--short-output", default="256,512", help="mixed workload: LO,HI output tokens of the short requests")
     p.add_argument("--token-low", type=int, default=32, help="prompt token ids are drawn from [low, high)")
     p.add_argument("--token-high", type=int, default=127)
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)

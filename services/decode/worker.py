@@ -66,7 +66,7 @@ class DecodeWorker:
         m = metrics
         m.gauge_from("num_decode_prealloc_queue_reqs", lambda: self._count(Phase.PREALLOC, Phase.ATTACHING))
         m.gauge_from("num_decode_transfer_queue_reqs", lambda: self._count(Phase.AWAITING_KV))
-        m.gauge_from("num_running_reqs", lambda: self._count(Phase.RUNNING))
+        m.gauge_from("num_running_reqs", lambda: self._count(Phase.RUNNING, Phase.PREFILLING))  # colocated prompts too
         m.gauge_from("num_retracted_reqs", lambda: self._count(Phase.RETRACTED))
         m.gauge_from("token_usage", lambda: engine.pool.token_usage)
 

@@ -3,6 +3,10 @@
 Starts the three services as child processes with the PDMESH_* settings of the environment
 (the Makefile loads deploy/pdmesh.env when present), waits until each is healthy, prints a
 ready-to-paste curl, and stops everything on Ctrl-C or when any service exits.
+
+The children write to this terminal, with `--log-format auto`: human-readable lines when that
+is a terminal, JSON lines when the output goes to a file or a pipe (pdmesh.env's
+PDMESH_LOG_FORMAT=json is meant for compose and Kubernetes; a flag wins over its env twin).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ HOST = "127.0.0.1"
 
 
 def _start(role: str, args: list[str]) -> subprocess.Popen:
+    args = [*args, "--log-format", "auto"]
     print(f"[mesh] starting {role}: python -m services.{role} {' '.join(args)}", flush=True)
     return subprocess.Popen([sys.executable, "-m", f"services.{role}", *args])
 

@@ -57,6 +57,9 @@ WORKER_FLAGS = [
          "seconds one forward (one chunk, not a whole prompt) may run before its rooms fail and the worker turns NOT_SERVING"),
     Flag("faults", str, "", "fault injection spec, e.g. 'delay_forward=5,stall_transfer' (off by default)"),
     Flag("log-level", str, "info", "debug, info, warning or error"),
+    Flag("log-format", str, "auto",
+         "auto (human-readable lines when stderr is a terminal, JSON lines otherwise), console or json",
+         choices=("auto", "console", "json")),
     # --- across hosts (docs/transfer.md "Across hosts") ---
     Flag("advertise-host", str, "",
          "address peers use to reach this worker (default: --host, or this host name's address when "
@@ -135,6 +138,9 @@ ROUTER_FLAGS = [
     Flag("dns-refresh-interval", float, 5.0,
          "seconds between re-resolving worker names (a headless Service name stands for all its pods)"),
     Flag("log-level", str, "info", "debug, info, warning or error"),
+    Flag("log-format", str, "auto",
+         "auto (human-readable lines when stderr is a terminal, JSON lines otherwise), console or json",
+         choices=("auto", "console", "json")),
 ]
 
 

@@ -29,9 +29,10 @@ from services.common.worker_http import probe_loop_lag, serve_worker_http
 
 
 def start_worker_process(role: str, args: PrefillSettings | DecodeSettings) -> tuple[str, Faults]:
-    """Worker id, JSON logging, and the fault spec (logged loudly when any fault is on)."""
+    """Worker id, logging (JSON, or readable lines in a terminal), and the fault spec (logged
+    loudly when any fault is on)."""
     worker_id = args.worker_id or default_worker_id(role, args.grpc_port)
-    configure_logging(args.log_level, service=role, worker=worker_id)
+    configure_logging(args.log_level, args.log_format, service=role, worker=worker_id)
     faults = Faults.parse(args.faults)
     if faults.active():
         get_logger(role).warning("FAULT INJECTION ACTIVE: this worker misbehaves on purpose", faults=faults.active())

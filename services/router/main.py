@@ -20,7 +20,7 @@ DESCRIPTION = (
 
 def main(argv=None) -> None:
     args = parse_args("python -m services.router", DESCRIPTION, ROUTER_FLAGS, argv)
-    configure_logging(args.log_level, service="router", worker=f"router-{args.host}-{args.port}")
+    configure_logging(args.log_level, args.log_format, service="router", worker=f"router-{args.host}-{args.port}")
     log = get_logger("router")
     if not args.decode or (args.mode == "pd" and not args.prefill):
         log.error("at least one --decode and (in --mode pd) one --prefill worker address are required")

@@ -13,7 +13,7 @@ PROTO_STAMP := $(PROTO_OUT)/.stamp
 # The one configuration file shared with docker compose (docs/deploy.md).
 ENV_FILE ?= deploy/pdmesh.env
 
-.PHONY: run test compose-test hosts-test chaos chaos-three bench bench-serve gpu-check proto lint venv venv-dev clean
+.PHONY: run test compose-test hosts-test chaos chaos-three bench bench-router bench-serve gpu-check proto lint venv venv-dev clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +69,13 @@ hosts-test: venv-dev proto
 
 bench: venv-dev proto
 	$(PY) bench/run_all.py
+
+# pdmesh's router against sglang-router (PD mode), side by side, wrk-driven (docs/router.md,
+# "Performance"): needs Debian's wrk; installs sglang-router into bench/.venv-sglang (bench only).
+bench-router: venv-dev proto
+	@mkdir -p bench/out
+	$(PY) bench/router_compare.py > bench/out/router_compare.json
+	@cat bench/out/router_compare.json
 
 # PD against colocated on this machine's two cores (docs/bench.md): JSON under bench/out/,
 # plots under docs/bench/. `make bench-serve RATES=0.25,0.5,1`.

@@ -1,0 +1,286 @@
+"""pdmesh's router against sglang-router, side by side in one run, printed as JSON.
+
+- **sglang-router** (Rust, PyPI `sglang-router`, installed by this script into the bench-only
+  environment bench/.venv-sglang, never a pdmesh dependency) in PD mode (`--pd-disaggregation`)
+  in front of instant fake SGLang HTTP workers (bench/fake_sglang_worker.py, one process each).
+- **pdmesh's router** (`python -m services.router`) in front of instant fake gRPC workers
+  (tests/fake_workers.py's FakePrefill / FakeDecode, one process each).
+- The same load generator for both: **wrk** (Debian package `wrk`) with a Lua script that POSTs
+  the same `/v1/completions` body, in its own process.
+
+Cases: non-streamed `max_tokens` 1 at c = 1 and c = 32 (requests/s, p50/p99 latency), and
+streamed `max_tokens` 64 at c = 32 (requests/s and tokens/s through the router). Each case
+runs both routers back to back, `--rounds` times alternating which goes first; the JSON has
+every run, the median per side, and ratios pdmesh / sglang (req/s: > 1 is pdmesh faster;
+p50: < 1 is pdmesh faster). Both routers run with their default logging.
+
+Fairness on a small machine: with `--pin` (default when there are at least 2 cores) the router
+under test runs on core 0 alone (`taskset -c 0`), and wrk and the fake workers of both sides on
+the other cores (`taskset -c 1-`), so each router gets one core and its load generator and
+workers never compete with it. Both routers idle while the other is measured. The load average
+(`os.getloadavg`) before and after is in the JSON: other work on the machine shifts absolute
+numbers; the ratios from one run are the point.
+
+Usage: python bench/router_compare.py [--seconds 5] [--rounds 2] [--stream-tokens 64] [--no-pin]
+       [--only pdmesh|sglang]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.ports import free_port  # noqa: E402
+
+SGLANG_ROUTER = "sglang-router==0.3.2"
+SGLANG_VENV = ROOT / "bench" / ".venv-sglang"
+MODEL = "pdmesh-tiny"
+PROMPT = "The quick brown fox jumps over the lazy dog. Tell me a story about it."
+
+LUA = """
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = [[%s]]
+done = function(summary, latency, requests)
+  local errors = summary.errors.connect + summary.errors.read + summary.errors.write
+    + summary.errors.status + summary.errors.timeout
+  io.write(string.format('WRKJSON {"requests": %%d, "duration_us": %%d, "errors": %%d, "p50_us": %%d, "p90_us": %%d, "p99_us": %%d, "mean_us": %%.1f}\\n',
+    summary.requests, summary.duration, errors, latency:percentile(50), latency:percentile(90),
+    latency:percentile(99), latency.mean))
+end
+"""
+
+
+def sh(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=True, capture_output=True, text=True, **kw)
+
+
+def ensure_sglang() -> pathlib.Path:
+    py = SGLANG_VENV / "bin" / "python"
+    if not py.exists():
+        sh([sys.executable, "-m", "venv", str(SGLANG_VENV)])
+    try:
+        sh([str(py), "-c", "import sglang_router"])
+    except subprocess.CalledProcessError:
+        print(f"[compare] installing {SGLANG_ROUTER} into {SGLANG_VENV}", file=sys.stderr, flush=True)
+        sh([str(py), "-m", "pip", "install", "-q", SGLANG_ROUTER])
+    return py
+
+
+def ensure_wrk() -> str:
+    wrk = shutil.which("wrk")
+    if wrk is None:
+        sys.exit("wrk not found: install Debian's package (apt-get install -y wrk)")
+    return wrk
+
+
+def wait_http(url: str, seconds: float, what: str, post: bytes | None = None) -> None:
+    until = time.monotonic() + seconds
+    last: Exception | None = None
+    while time.monotonic() < until:
+        try:
+            req = urllib.request.Request(url, data=post, headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except Exception as e:  # noqa: BLE001 - retried until the deadline
+            last = e
+        time.sleep(0.2)
+    raise RuntimeError(f"{what} not ready at {url}: {last!r}")
+
+
+class Procs:
+    def __init__(self, tmp: pathlib.Path, pin: bool):
+        self.tmp, self.pin, self.procs = tmp, pin, []
+
+    def start(self, name: str, cmd: list[str], core: str) -> subprocess.Popen:
+        if self.pin:
+            cmd = ["taskset", "-c", core, *cmd]
+        log = (self.tmp / f"{name}.log").open("wb")
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        self.procs.append(p)
+        return p
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def body(max_tokens: int, stream: bool) -> str:
+    return json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": stream})
+
+
+def run_wrk(wrk: str, url: str, script: pathlib.Path, conns: int, seconds: float, core: str, pin: bool) -> dict:
+    cmd = [wrk, "-t", "1", "-c", str(conns), "-d", f"{max(1, round(seconds))}s", "--timeout", "10s", "-s", str(script), url]
+    if pin:
+        cmd = ["taskset", "-c", core, *cmd]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60).stdout
+    m = re.search(r"WRKJSON (\{.*\})", out)
+    if not m:
+        raise RuntimeError(f"wrk printed no summary:\n{out}")
+    s = json.loads(m.group(1))
+    dur = s["duration_us"] / 1e6
+    return {
+        "rps": round(s["requests"] / dur, 1), "requests": s["requests"], "errors": s["errors"],
+        "p50_ms": round(s["p50_us"] / 1000, 3), "p90_ms": round(s["p90_us"] / 1000, 3),
+        "p99_ms": round(s["p99_us"] / 1000, 3), "mean_ms": round(s["mean_us"] / 1000, 3),
+    }
+
+
+def stream_tokens(url: str, n: int) -> int:
+    """SSE events with text in one streamed response (a check that each side sends one per token)."""
+    req = urllib.request.Request(url, data=body(n, True).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        events = [json.loads(ln[6:]) for ln in r.read().decode().split("\n") if ln.startswith("data: {")]
+    return sum(1 for e in events if e["choices"] and e["choices"][0].get("text"))
+
+
+def serve_fake_grpc(role: str, port: int) -> None:
+    """`--serve-fake-grpc ROLE PORT`: one instant fake gRPC worker in this process."""
+    import asyncio
+
+    from services.common.tokenizer import load_tokenizer
+    from tests.fake_workers import FakeDecode, FakePrefill
+
+    script = load_tokenizer("builtin").encode("Hello, world! ", add_special_tokens=False)
+
+    async def main() -> None:
+        # decode: ids that each decode to whole printable text with the built-in tokenizer, so every
+        # token is one SSE event, as from the SGLang fake
+        w = FakePrefill() if role == "prefill" else FakeDecode(script=script)
+        w.port = port
+        await w.start()
+        print(f"fake {role} on {w.addr}", flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+def median_of(runs: list[dict]) -> dict:
+    keys = ("rps", "p50_ms", "p90_ms", "p99_ms", "mean_ms", "tokens_per_s")
+    return {k: round(statistics.median(r[k] for r in runs), 3) for k in keys if k in runs[0]} | {
+        "errors": sum(r["errors"] for r in runs)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=int, default=5, help="duration of each wrk run")
+    ap.add_argument("--rounds", type=int, default=2, help="runs per case and side, alternating the order")
+    ap.add_argument("--stream-tokens", type=int, default=64)
+    ap.add_argument("--no-pin", action="store_true", help="do not pin processes to cores with taskset")
+    ap.add_argument("--only", choices=("pdmesh", "sglang"), help="measure one side only")
+    ap.add_argument("--serve-fake-grpc", nargs=2, metavar=("ROLE", "PORT"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve_fake_grpc:
+        serve_fake_grpc(args.serve_fake_grpc[0], int(args.serve_fake_grpc[1]))
+        return 0
+
+    ncpu = os.cpu_count() or 1
+    pin = not args.no_pin and ncpu >= 2 and shutil.which("taskset") is not None
+    router_core, other_cores = "0", f"1-{ncpu - 1}"
+    wrk = ensure_wrk()
+    sides = ["sglang", "pdmesh"] if args.only is None else [args.only]
+    sgl_py = ensure_sglang() if "sglang" in sides else None
+    load_before = [round(x, 2) for x in os.getloadavg()]
+
+    with tempfile.TemporaryDirectory(prefix="router-compare-") as tmpdir:
+        tmp = pathlib.Path(tmpdir)
+        procs = Procs(tmp, pin)
+        urls: dict[str, str] = {}
+        try:
+            if "sglang" in sides:
+                sp, sd, sr = free_port(), free_port(), free_port()
+                for role, port in (("prefill", sp), ("decode", sd)):
+                    procs.start(f"sglang-fake-{role}", [sys.executable, "bench/fake_sglang_worker.py", "--port",
+                                                        str(port), "--role", role], other_cores)
+                procs.start("sglang-router", [str(sgl_py), "-m", "sglang_router.launch_router", "--pd-disaggregation",
+                                              "--prefill", f"http://127.0.0.1:{sp}", "none",
+                                              "--decode", f"http://127.0.0.1:{sd}", "--policy", "round_robin",
+                                              "--host", "127.0.0.1", "--port", str(sr)], router_core)
+                urls["sglang"] = f"http://127.0.0.1:{sr}"
+            if "pdmesh" in sides:
+                pp, pd, pr = free_port(), free_port(), free_port()
+                for role, port in (("prefill", pp), ("decode", pd)):
+                    procs.start(f"pdmesh-fake-{role}", [sys.executable, __file__, "--serve-fake-grpc", role,
+                                                        str(port)], other_cores)
+                procs.start("pdmesh-router", [sys.executable, "-m", "services.router", "--port", str(pr),
+                                              "--prefill", f"127.0.0.1:{pp}", "--decode", f"127.0.0.1:{pd}",
+                                              "--policy", "round_robin"], router_core)
+                urls["pdmesh"] = f"http://127.0.0.1:{pr}"
+            for side, url in urls.items():
+                wait_http(url + "/v1/completions", 60, f"{side} router", post=body(1, False).encode())
+                got = stream_tokens(url + "/v1/completions", args.stream_tokens)
+                if got != args.stream_tokens:
+                    raise RuntimeError(f"{side}: a streamed response had {got} tokens, not {args.stream_tokens}")
+
+            cases = [("nonstream_c1", 1, 1, False), ("nonstream_c32", 32, 1, False),
+                     (f"stream{args.stream_tokens}_c32", 32, args.stream_tokens, True)]
+            results: dict = {}
+            for name, conns, max_tokens, stream in cases:
+                script = tmp / f"{name}.lua"
+                script.write_text(LUA % body(max_tokens, stream))
+                runs: dict[str, list[dict]] = {s: [] for s in urls}
+                for url in urls.values():  # warm-up: connections and lazily built paths
+                    run_wrk(wrk, url + "/v1/completions", script, conns, 1, other_cores, pin)
+                for r in range(args.rounds):
+                    order = list(urls) if r % 2 == 0 else list(reversed(urls))
+                    for side in order:
+                        res = run_wrk(wrk, urls[side] + "/v1/completions", script, conns, args.seconds,
+                                      other_cores, pin)
+                        if stream:
+                            res["tokens_per_s"] = round(res["rps"] * max_tokens, 1)
+                        runs[side].append(res)
+                        print(f"[compare] {name} {side}: {res}", file=sys.stderr, flush=True)
+                case = {"concurrency": conns, "max_tokens": max_tokens, "stream": stream}
+                for side in urls:
+                    case[side] = {"median": median_of(runs[side]), "runs": runs[side]}
+                if len(urls) == 2:
+                    p, s = case["pdmesh"]["median"], case["sglang"]["median"]
+                    case["ratio_pdmesh_over_sglang"] = {
+                        "rps": round(p["rps"] / s["rps"], 3) if s["rps"] else None,
+                        "p50_ms": round(p["p50_ms"] / s["p50_ms"], 3) if s["p50_ms"] else None,
+                    }
+                results[name] = case
+        finally:
+            procs.close()
+
+    out = {
+        "cases": results,
+        "setup": {
+            "sglang": f"{SGLANG_ROUTER} --pd-disaggregation --policy round_robin, instant fake SGLang HTTP "
+                      "workers (bench/fake_sglang_worker.py), one process each",
+            "pdmesh": "python -m services.router --policy round_robin, instant fake gRPC workers "
+                      "(tests/fake_workers.py), one process each",
+            "load_generator": "wrk -t 1, Lua POST body, its own process",
+            "pinning": (f"taskset: router under test on core {router_core}; wrk and fake workers on cores "
+                        f"{other_cores}") if pin else "none",
+            "cpus": ncpu, "seconds": args.seconds, "rounds": args.rounds, "prompt_chars": len(PROMPT),
+            "load_avg_before": load_before, "load_avg_after": [round(x, 2) for x in os.getloadavg()],
+            "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
+        },
+    }
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -26,6 +26,8 @@ import threading
 import time
 from dataclasses import asdict
 
+import httpx
+
 from tests.chaos.soak_load import LoadState, client_loop
 from tests.chaos.soak_plan import KINDS, Fault, parse_schedule, plan_faults
 from tests.chaos.soak_verify import check_counts, check_outputs, scrape
@@ -51,6 +53,7 @@ class Soak:
         self.killed: list[Proc] = []  # processes the soak itself killed (invariant 4 spares them)
         self.fault_log: list[dict] = []
         self.router_counts: list[dict[str, float]] = []  # router_requests_total by status, per generation
+        self.router_killed_at: list[float] = []  # when each generation's router was killed
         self.worker_counters: dict[str, float] = {}
         self.errors: list[str] = []
 
@@ -99,6 +102,7 @@ class Soak:
     # --- faults ----------------------------------------------------------------------------------
     def apply(self, f: Fault, state: LoadState) -> None:
         if f.kind == "router_restart":
+            self.router_killed_at.append(time.monotonic())
             self._replace(self.router)
             # after the new router is up: a request stamped with the new generation can only
             # have been answered by it (one that straddles the restart counts as cut)
@@ -116,12 +120,22 @@ class Soak:
             time.sleep(f.hold)
             self._replace(faulty, drop=("--faults",))
 
+    def wait_all_healthy(self, timeout: float = 60) -> None:
+        """Faults come one at a time: the next waits until the router sees every worker healthy
+        again (two workers of a role down at once is an outage, which 503s rightly report)."""
+        def all_healthy():
+            body = httpx.get(self.router.http_url + "/health", timeout=2).json()
+            return all(w["healthy"] for role in ("prefill", "decode") for w in body[role].values())
+
+        wait_for(all_healthy, timeout, "the router to see every worker healthy", poll=0.1)
+
     def run_faults(self, plan: list[Fault], t0: float, state: LoadState) -> None:
         for f in plan:
             time.sleep(max(0.0, t0 + f.at - time.monotonic()))
             began = time.monotonic() - t0
             try:
                 self.apply(f, state)
+                self.wait_all_healthy()
                 outcome = "done"
             except Exception as e:  # noqa: BLE001 - recorded; the invariants decide
                 outcome = f"failed: {e!r}"
@@ -186,7 +200,7 @@ class Soak:
         verify_began = time.monotonic()
         mismatched = check_outputs(results)
         self.timings["verify_s"] = time.monotonic() - verify_began
-        count_errors = check_counts(results, self.router_counts)
+        count_errors = check_counts(results, self.router_counts, self.router_killed_at)
         died = [f"{p.role} {p.grpc_addr or p.http_port} exit {p.popen.poll()}" for p in self.mesh.procs
                 if p not in self.killed and not p.alive()]
         causes: dict[str, int] = {}

@@ -120,9 +120,11 @@ class Mesh:
     def __init__(self, tmp_path: pathlib.Path):
         self.tmp_path = tmp_path
         self.procs: list[Proc] = []
+        self._spawned = 0
 
     def _spawn(self, role: str, args: list[str], http_port: int, grpc_port: int | None, env: dict | None) -> Proc:
-        log_path = self.tmp_path / f"{role}-{len(self.procs)}.log"
+        self._spawned += 1  # a restarted process gets a log of its own
+        log_path = self.tmp_path / f"{role}-{self._spawned}.log"
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         popen = subprocess.Popen(
             [sys.executable, "-m", f"services.{role}", *args],

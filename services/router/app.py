@@ -127,6 +127,11 @@ class Router:
         self.token_strings = TokenStrings(self.tokenizer)
         self.metrics = Metrics("router", name, f"router-{settings.host}-{settings.port}")
         self.metrics.gauge_from("num_running_reqs", lambda: self.active)
+        # the per-token metrics' labelled children, looked up once (labels() costs a lock and a dict per call)
+        m = self.metrics
+        self.ttft_metric = m.time_to_first_token.labels(**m.labels)
+        self.itl_metric = m.inter_token_latency.labels(**m.labels)
+        self.generation_tokens_metric = m.generation_tokens.labels(**m.labels)
         self.pool = WorkerPool(
             settings.prefill if settings.mode == "pd" else [],
             settings.decode,
@@ -279,35 +284,49 @@ class _Run:
     def feed(self, index: int, chunk) -> tuple[str, list]:
         now = time.monotonic()
         n = len(chunk.token_ids)
-        m = self.router.metrics
+        r = self.router
         if self.ttft is None:
             self.ttft = now - self.t0
-            m.observe(m.time_to_first_token, self.ttft)
+            r.ttft_metric.observe(self.ttft)
         last = self.last_token_at[index]
         if last is not None and n:
             gap = (now - last) / n
             for _ in range(n):
-                m.observe(m.inter_token_latency, gap)
+                r.itl_metric.observe(gap)
         self.last_token_at[index] = now
         state = self.states[index]
         before = state.completion_tokens
         out = state.feed(chunk)
-        m.inc(m.generation_tokens, state.completion_tokens - before)
+        r.generation_tokens_metric.inc(state.completion_tokens - before)
         return out
 
+    def _take(self, index: int, chunk) -> bool:
+        """Whether a chunk read from the fan-in is for the caller (a stream that ended early is an error)."""
+        if self.states[index].finished:
+            return False  # a stop string ended it: what its stream still had is dropped
+        if chunk is None:
+            if index in self._ended:
+                return False  # its generator's end, after the chunk with the finish reason
+            raise errors.upstream_failed("the decode stream ended early")
+        if chunk.finish_reason:
+            self._ended.add(index)
+        return True
+
     async def next(self) -> tuple[int, object]:
-        """The next chunk of a choice still running (a stream that ended early is an error)."""
+        """The next chunk of a choice still running."""
         while True:
             index, chunk = await self.fan.next()
-            if self.states[index].finished:
-                continue  # a stop string ended it: what its stream still had is dropped
-            if chunk is None:
-                if index in self._ended:
-                    continue  # its generator's end, after the chunk with the finish reason
-                raise errors.upstream_failed("the decode stream ended early")
-            if chunk.finish_reason:
-                self._ended.add(index)
-            return index, chunk
+            if self._take(index, chunk):
+                return index, chunk
+
+    def next_nowait(self) -> tuple[int, object] | None:
+        """As next(), for a chunk already in hand; None when none is."""
+        while True:
+            got = self.fan.next_nowait()
+            if got is None:
+                return None
+            if self._take(*got):
+                return got
 
     def finish(self, status: int, error: str | None = None) -> None:
         """Record the outcome once: metrics, the concurrency slot, one log line."""
@@ -399,36 +418,47 @@ class _Run:
         )
 
     async def _events(self, first: list[tuple[int, object]], outcome: dict[str, Any]) -> AsyncIterator[bytes]:
+        # Events of every chunk already in hand go out in one write: when decode (or its many
+        # streams) gets ahead of the router, tokens are coalesced instead of costing a send each;
+        # a chunk that is not there yet is never waited for before writing what is.
+        buf: list[bytes] = []
         try:
             if self.spec.kind == "chat":
                 for state in self.states:
-                    yield sse_event(state.role_chunk())
+                    buf.append(sse_event(state.role_chunk()))
             pending = list(first)
             while True:
-                index, chunk = pending.pop(0) if pending else await self.next()
+                got = pending.pop(0) if pending else self.next_nowait()
+                if got is None:
+                    if buf:
+                        yield b"".join(buf)
+                        buf.clear()
+                    got = await self.next()
+                index, chunk = got
                 state = self.states[index]
                 text, entries = self.feed(index, chunk)
                 payload = state.delta_chunk(text, entries, state.finish_reason)
                 if payload is not None:
-                    yield sse_event(payload)
+                    buf.append(sse_event(payload))
                 if state.finished:
                     # a stop string: cancel its Decode RPC before the last bytes go out
                     await self.fan.close(index)
                     if self.all_finished:
                         break
             if self.spec.include_usage:
-                yield sse_event(self.state.usage_chunk(self.states))
+                buf.append(sse_event(self.state.usage_chunk(self.states)))
         except APIError as e:
             outcome.update(status=e.status, error=e.message)
-            yield sse_event(e.body())
+            buf.append(sse_event(e.body()))
         except Exception as e:  # a bug must still end the stream properly (error event, [DONE])
             log.exception("stream error")
             error = APIError(500, "Internal server error.", code="internal_error")
             outcome.update(status=500, error=repr(e))
-            yield sse_event(error.body())
+            buf.append(sse_event(error.body()))
         finally:
             await self.fan.close()
-        yield DONE
+        buf.append(DONE)
+        yield b"".join(buf)
 
 
 def create_app(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> FastAPI:

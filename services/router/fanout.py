@@ -38,6 +38,16 @@ class FanIn:
             raise exc
         return index, chunk
 
+    def next_nowait(self) -> tuple[int, Chunk | None] | None:
+        """As next(), for a chunk already queued; None when nothing is (the caller then awaits next())."""
+        try:
+            index, chunk, exc = self._queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return None
+        if exc is not None:
+            raise exc
+        return index, chunk
+
     async def close(self, index: int | None = None) -> None:
         """Stop one choice (a stop string ended it: its Decode RPC is cancelled) or all of them."""
         picked = range(len(self._tasks)) if index is None else [index]

@@ -6,7 +6,7 @@
                            rate, at the time its token arrived, PD above colocated; dotted
                            lines mark the arrivals of the long prompts
 
-Usage: python bench/plot.py [bench/out/pd_vs_colocated.json] [--out-dir docs/bench]
+Usage: python bench/plot.py [bench/out/pd_vs_colocated.json] [--out-dir docs/bench] [--spikes-ms 150]
 """
 
 from __future__ import annotations
@@ -44,8 +44,12 @@ def latency_vs_load(report: dict, out: pathlib.Path) -> None:
     axes[2].axhline(90, color="grey", lw=0.8, ls=":")
     axes[0].set(title="TTFT", xlabel="request rate (req/s)", ylabel="ms", yscale="log")
     axes[1].set(title="ITL p99", xlabel="request rate (req/s)", ylabel="ms", yscale="log")
-    axes[2].set(title=f"requests within SLO (TTFT ≤ {slo['ttft_ms']:g} ms, ITL p99 ≤ {slo['itl_p99_ms']:g} ms)",
+    axes[2].set(title=f"within SLO (TTFT ≤ {slo['ttft_ms']:g} ms, ITL p99 ≤ {slo['itl_p99_ms']:g} ms)",
                 xlabel="request rate (req/s)", ylabel="%", ylim=(0, 105))
+    for p in sweep:  # the machine's load when the point started: other processes share the cores
+        if "load_avg_1m_at_start" in p:
+            axes[1].annotate(f"load {p['load_avg_1m_at_start']:.0f}", (p["rate"], 0.02), xycoords=("data", "axes fraction"),
+                             fontsize=7, ha="center", color="grey")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -80,12 +84,39 @@ def itl_over_time(report: dict, out: pathlib.Path) -> None:
     plt.close(fig)
 
 
+def spikes(report: dict, threshold_ms: float) -> dict:
+    """Inter-token gaps above `threshold_ms` at the ITL rate: how many fall while a long prompt
+    is being computed (between its arrival and its first token) and how many outside."""
+    at = next(p for p in report["sweep"] if p["rate"] == report["mixed_itl"]["rate"])
+    out = {"rate": at["rate"], "threshold_ms": threshold_ms}
+    for mode, _, _ in MODES:
+        requests = json.loads(pathlib.Path(at[mode]["requests_file"]).read_text())
+        windows = [(r["arrival"], r["arrival"] + r["ttft"]) for r in requests if r["kind"] == "long" and r["ok"]]
+        inside = outside = total = 0
+        for r in requests:
+            t = r["token_times"]
+            for a, b in zip(t, t[1:], strict=False):
+                total += 1
+                if (b - a) * 1e3 > threshold_ms:
+                    if any(w0 <= b and a <= w1 for w0, w1 in windows):
+                        inside += 1
+                    else:
+                        outside += 1
+        out[mode] = {"gaps": total, "above_during_a_long_prefill": inside, "above_otherwise": outside}
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("report", nargs="?", default="bench/out/pd_vs_colocated.json")
     ap.add_argument("--out-dir", default="docs/bench")
+    ap.add_argument("--spikes-ms", type=float, default=0.0,
+                    help="print where the gaps above this many ms fall (during a long prefill or not) and exit")
     args = ap.parse_args(argv)
     report = json.loads(pathlib.Path(args.report).read_text())
+    if args.spikes_ms:
+        print(json.dumps(spikes(report, args.spikes_ms)))
+        return 0
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     latency_vs_load(report, out / "latency_vs_load.png")

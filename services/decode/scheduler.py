@@ -32,6 +32,8 @@ class DecodeScheduler:
         self.engine = worker.engine
         self.pool = worker.engine.pool
         self.max_running = max_running
+        if chunk_budget < 1:
+            raise ValueError("--chunked-prefill-size must be at least 1")
         self.chunk_budget = chunk_budget  # tokens of one local prefill forward (colocated jobs)
         self.in_forward: list[Job] = []
         self._work = asyncio.Event()

@@ -1,4 +1,5 @@
-"""Byte-level tokenizer of the built-in tiny model: every UTF-8 byte is a token, plus a few controls.
+"""Byte-level tokenizer of the random test model (`--model builtin-random`): every UTF-8 byte is a
+token, plus a few controls. (The default `builtin` model has an ordinary BPE tokenizer.json.)
 
 Ids 0..255 are the raw bytes, 256..262 the special tokens below, 263 is padding so the embedding
 table has an even size. Any text encodes without an unknown token, and decoding is exact; the

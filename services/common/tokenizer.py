@@ -1,7 +1,8 @@
 """One tokenizer interface for the router and the workers.
 
-`load_tokenizer(path)` returns the built-in byte tokenizer (path None/"builtin") or a Hugging Face
-tokenizer read from a local folder (`tokenizer.json` + `tokenizer_config.json` + optional
+`load_tokenizer(path)` returns the tokenizer of a Hugging Face folder — the built-in model's
+(models/pdmesh-tiny, for path None/"builtin"), or any local folder —, or the byte tokenizer of the
+random test model ("builtin-random"). A folder is read (`tokenizer.json` + `tokenizer_config.json` + optional
 `chat_template.jinja`, `generation_config.json`, `config.json`). Encoding, decoding and chat
 rendering follow what `transformers` does for the same folder, so a prompt tokenized here equals the
 prompt a user of transformers/vLLM would feed the model. No torch and no transformers import here:
@@ -24,7 +25,14 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 
-BUILTIN_NAMES = ("", "builtin")
+# The built-in model is an ordinary Hugging Face folder shipped in the repository
+# (scripts/train_builtin.py made it); "builtin" (the default) loads it like any downloaded checkpoint.
+BUILTIN_MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "pdmesh-tiny"
+# A random tiny Llama over a byte vocabulary, made from a seed with no files
+# (services/engine/builtin_model.py): for tests that want byte-level tokens.
+BUILTIN_RANDOM = "builtin-random"
+# The names of the built-in models; the router serves either as "pdmesh-tiny".
+BUILTIN_NAMES = ("", "builtin", BUILTIN_RANDOM)
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -297,13 +305,21 @@ def _clean_up_tokenization(text: str) -> str:
     return text
 
 
+def resolve_model_path(model_path: str | Path | None) -> str | Path:
+    """The folder behind None/"" /"builtin" (the shipped models/pdmesh-tiny); other names unchanged."""
+    if model_path is None or str(model_path) in ("", "builtin"):
+        return BUILTIN_MODEL_DIR
+    return model_path
+
+
 def load_tokenizer(model_path: str | Path | None) -> Tokenizer:
-    """The built-in byte tokenizer for None/"builtin", else the tokenizer of a local HF folder."""
-    if model_path is None or str(model_path) in BUILTIN_NAMES:
+    """The tokenizer of a local HF folder (None/"builtin": the shipped built-in model's folder), or
+    the byte tokenizer of the random test model for "builtin-random"."""
+    if str(model_path) == BUILTIN_RANDOM:
         from services.common.builtin_tokenizer import BuiltinTokenizer  # late: it subclasses Tokenizer
 
         return BuiltinTokenizer()
-    return load_hf_tokenizer(Path(model_path))
+    return load_hf_tokenizer(Path(resolve_model_path(model_path)))
 
 
 def load_hf_tokenizer(folder: Path) -> HuggingFaceTokenizer:

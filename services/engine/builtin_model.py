@@ -1,11 +1,15 @@
-"""The built-in default model: a tiny Llama created deterministically from a seed, no files needed.
+"""`--model builtin-random`: a tiny Llama created deterministically from a seed, no files needed.
+
+Not the default: `builtin` is the trained folder models/pdmesh-tiny (scripts/train_builtin.py),
+loaded like any checkpoint. This one stays for tests and benchmarks that want byte-level tokens
+(services/common/builtin_tokenizer.py: every id below 256 is one byte) and no files at all.
 
 Weights are drawn with fan-in scaling (not the usual 0.02) so that logits are well separated:
 greedy decoding then does not sit on near-ties that float rounding could flip between a batched
 and an unbatched run.
 
 Random weights produce random bytes, most of them not printable (and invalid UTF-8). So that a
-newcomer's first request shows characters rather than U+FFFD, one hidden channel is made a
+reply shows characters rather than U+FFFD, one hidden channel is made a
 constant: every embedding carries PRINTABLE_BIAS_INPUT in channel 0 and no layer writes to it,
 so after the final RMSNorm that channel is always positive, and the LM head's weights on it add
 a logit bonus to printable ASCII and a malus to every other token. It is still an ordinary
@@ -22,7 +26,7 @@ from services.common.builtin_tokenizer import BUILTIN_BOS_ID, BUILTIN_EOS_IDS, B
 from services.engine.model import CausalLM
 from services.engine.model_config import ModelConfig
 
-BUILTIN_NAME = "pdmesh-tiny"
+BUILTIN_NAME = "pdmesh-tiny"  # served under the built-in model's name (tests address it so)
 BUILTIN_SEED = 20261129
 PRINTABLE_BIAS_INPUT = 8.0  # value of hidden channel 0 in every embedding
 PRINTABLE_BIAS_WEIGHT = 0.6  # LM-head weight on channel 0: + for printable ASCII, - otherwise

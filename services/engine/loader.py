@@ -1,4 +1,10 @@
-"""Load a model: the built-in tiny one, or a local Hugging Face folder (config.json + safetensors)."""
+"""Load a model from a local Hugging Face folder (config.json + safetensors).
+
+None/"builtin" is the folder shipped in the repository (models/pdmesh-tiny, trained by
+scripts/train_builtin.py), loaded by the same code as any downloaded checkpoint. "builtin-random"
+is a random tiny Llama over a byte vocabulary made from a seed (services/engine/builtin_model.py),
+for tests that want byte-level tokens.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from services.common.tokenizer import BUILTIN_RANDOM, resolve_model_path
 from services.engine.model import CausalLM
 from services.engine.model_config import ModelConfig
 
@@ -47,12 +54,12 @@ def default_dtype(device: torch.device) -> torch.dtype:
 def load_model(path: str | None = None, device: str = "cpu", dtype: torch.dtype | None = None) -> LoadedModel:
     dev = resolve_device(device)
     dtype = dtype or default_dtype(dev)
-    if path in (None, "", BUILTIN):
+    if path == BUILTIN_RANDOM:
         from services.engine.builtin_model import builtin_model
 
         model = builtin_model()
         return LoadedModel(model.to(dev, dtype), model.config, dev, dtype, {}, None)
-    folder = pathlib.Path(path)
+    folder = pathlib.Path(resolve_model_path(path))
     if not folder.is_dir():
         raise ModelLoadError(f"model folder {folder} does not exist")
     cfg_path = folder / "config.json"

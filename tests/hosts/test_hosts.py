@@ -22,7 +22,7 @@ import time
 import httpx
 import pytest
 
-from services.common.builtin_tokenizer import BuiltinTokenizer
+from services.common.tokenizer import load_tokenizer
 from tests.hosts.launcher import ROOT, HostMesh
 from tests.hosts.netns import NetemMissing, Topology
 from tests.integration.mesh import in_background, wait_for
@@ -30,7 +30,7 @@ from tests.integration.mesh import in_background, wait_for
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 MODEL = "pdmesh-tiny"
-TOK = BuiltinTokenizer()
+TOK = load_tokenizer(None)  # the default model's: models/pdmesh-tiny
 TOKEN = "pdmesh-hosts-test-secret"
 HANG = 8.0  # p2's first forward (partition 1)
 PREFILL_FLAGS = ("--watchdog-interval", "0.5", "--inflight-timeout", "30", "--bootstrap-timeout", "30")

@@ -16,8 +16,8 @@ import json
 import httpx
 import pytest
 
-from services.common.builtin_tokenizer import BuiltinTokenizer
 from services.common.sampling_params import SamplingParams
+from services.common.tokenizer import load_tokenizer
 from services.engine.kv_pool import KVPool
 from services.engine.loader import load_model
 from services.engine.local_generate import generate_full
@@ -26,7 +26,7 @@ from tests.integration.mesh import Mesh
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 MODEL = "pdmesh-tiny"
-TOK = BuiltinTokenizer()
+TOK = load_tokenizer(None)  # the default model's: models/pdmesh-tiny
 
 
 @pytest.fixture(scope="module")

@@ -20,14 +20,14 @@ import time
 import httpx
 import pytest
 
-from services.common.builtin_tokenizer import BuiltinTokenizer
 from services.common.sampling_params import SamplingParams
+from services.common.tokenizer import load_tokenizer
 from tests.integration.mesh import Mesh, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 MODEL = "pdmesh-tiny"
-TOK = BuiltinTokenizer()
+TOK = load_tokenizer(None)  # the default model's: models/pdmesh-tiny
 PREFILL_FLAGS = ("--inflight-timeout", "2", "--watchdog-interval", "0.5", "--bootstrap-timeout", "4")
 DECODE_FLAGS = ("--watchdog-interval", "0.5", "--heartbeat-interval", "0.5", "--transfer-timeout", "3",
                 "--prealloc-timeout", "4")

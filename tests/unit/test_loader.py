@@ -71,13 +71,13 @@ def test_cuda_device_refused_without_cuda():
         load_model(None, device="cuda:0")
 
 
-def test_builtin_model_speaks_printable_ascii():
+def test_random_builtin_model_speaks_printable_ascii():
     from services.common.sampling_params import SamplingParams
     from services.common.tokenizer import load_tokenizer
     from services.engine.kv_pool import KVPool
     from services.engine.local_generate import generate
 
-    loaded, tok = load_model(None), load_tokenizer(None)
+    loaded, tok = load_model("builtin-random"), load_tokenizer("builtin-random")
     ids = tok.encode_chat([{"role": "user", "content": "Hello!"}])
     outs = generate(
         loaded.model, KVPool(loaded.config, 64, 16), [ids] * 3,

@@ -45,7 +45,9 @@ class Cluster:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.loop = asyncio.new_event_loop()
-        self._settings = {"health_check_interval": 0.1, "health_check_timeout": 0.2, **settings}
+        # The fake decodes "generate" byte tokens: the byte tokenizer of the random built-in model.
+        self._settings = {"model": "builtin-random", "health_check_interval": 0.1, "health_check_timeout": 0.2,
+                          **settings}
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
         self.call(self._start())

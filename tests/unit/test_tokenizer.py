@@ -43,16 +43,17 @@ THREE_MESSAGES = [
 ]
 
 
-# --- built-in byte tokenizer ------------------------------------------------------------------
+# --- byte tokenizer of the random test model (--model builtin-random) ---------------------------
 
 
 @pytest.fixture(scope="module")
 def builtin() -> Tokenizer:
-    return load_tokenizer(None)
+    return load_tokenizer("builtin-random")
 
 
 def test_builtin_constants_and_special_ids(builtin: Tokenizer) -> None:
-    assert isinstance(load_tokenizer("builtin"), BuiltinTokenizer)
+    assert isinstance(load_tokenizer("builtin-random"), BuiltinTokenizer)
+    assert not isinstance(load_tokenizer("builtin"), BuiltinTokenizer)  # the default is the shipped folder
     assert (BUILTIN_PAD_ID, BUILTIN_BOS_ID, BUILTIN_EOS_ID, BUILTIN_VOCAB_SIZE) == (256, 257, 258, 264)
     assert builtin.vocab_size == 264
     assert (builtin.bos_token_id, builtin.pad_token_id) == (257, 256)

@@ -48,7 +48,13 @@ class LoadState:
 
     base_url: str
     router_gen: int = 0
-    stop_at: float = 0.0
+    stop_at: float = 0.0  # the load runs until then, and on while faults are still being injected
+    hard_stop_at: float = 0.0  # ... but never past this
+    faults_done: bool = False
+
+    def running(self) -> bool:
+        now = time.monotonic()
+        return now < self.hard_stop_at and (now < self.stop_at or not self.faults_done)
     results: list[Result] = field(default_factory=list)
     in_flight: int = 0
     next_id: int = 0
@@ -69,7 +75,7 @@ def draw_request(rng: random.Random, rid: int, client: int) -> Result:
 
 
 def _body(r: Result) -> dict:
-    body = {"model": "pdmesh-tiny", "prompt": r.prompt, "max_tokens": r.max_tokens,
+    body = {"model": "builtin-random", "prompt": r.prompt, "max_tokens": r.max_tokens,
             "temperature": r.temperature, "stream": r.stream}
     if r.seed is not None:
         body["seed"] = r.seed
@@ -121,10 +127,10 @@ async def _send(http: httpx.AsyncClient, state: LoadState, r: Result) -> None:
 async def client_loop(state: LoadState, client: int, seed: int, request_timeout: float) -> None:
     rng = random.Random(seed * 1000 + client)
     async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout + 15, connect=2)) as http:
-        while time.monotonic() < state.stop_at:
+        while state.running():
             r = draw_request(rng, state.next_id, client)
             state.next_id += 1
-            while time.monotonic() < state.stop_at:
+            while state.running():
                 r.started, r.router_gen = time.monotonic(), (state.router_gen, state.router_gen)
                 state.in_flight += 1
                 try:

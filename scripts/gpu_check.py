@@ -195,13 +195,14 @@ def check_parity(gm: GpuMesh) -> dict:
     import httpx
     import torch
 
-    from services.common.builtin_tokenizer import BuiltinTokenizer
     from services.common.sampling_params import SamplingParams
+    from services.common.tokenizer import load_tokenizer
     from services.engine.kv_pool import KVPool
     from services.engine.loader import load_model
     from services.engine.local_generate import generate_full
 
     model = load_model(None, device=gm.devices[0])  # the built-in model, the workers' default dtype there
+    tokenizer = load_tokenizer(None)  # the router's (the workers' and the router's default --model)
     cases = []
     rng = __import__("random").Random(3)
     for i, n in enumerate((5, 40, 300, 700)):
@@ -220,7 +221,7 @@ def check_parity(gm: GpuMesh) -> dict:
         text = r.json()["choices"][0]["text"]
         pool = KVPool(model.config, num_pages=256, page_size=16, device=model.device, dtype=model.dtype)
         ref = generate_full(model.model, pool, [ids], [sp])[0].token_ids
-        ref_text = BuiltinTokenizer().decode(ref)
+        ref_text = tokenizer.decode(ref)
         if text != ref_text:
             first = next((k for k, (a, b) in enumerate(zip(text, ref_text, strict=False)) if a != b),
                          min(len(text), len(ref_text)))
@@ -228,7 +229,7 @@ def check_parity(gm: GpuMesh) -> dict:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return {"ok": not mismatches, "requests": len(cases), "dtype": str(model.dtype), "mismatches": mismatches,
-            "compared": "router text vs single-process tokens decoded by the built-in tokenizer"}
+            "compared": "router text vs single-process tokens decoded by the router's tokenizer"}
 
 
 def check_kv_share(gm: GpuMesh) -> dict:

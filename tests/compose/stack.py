@@ -27,7 +27,6 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -298,11 +297,3 @@ class Stack:
 # --- worker HTTP ----------------------------------------------------------------------------
 
 
-def metrics(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=5).text
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            key = s.name if not s.labels.get("queue") else f"{s.name}{{queue={s.labels['queue']}}}"
-            out[key] = out.get(key, 0.0) + s.value
-    return out

@@ -25,8 +25,8 @@ import httpx
 import pytest
 
 from tests.compose.conftest import SETTINGS
-from tests.compose.stack import metrics
 from tests.integration.mesh import QUEUE_GAUGES, Mesh, in_background, wait_for
+from tests.integration.mesh import scrape_metrics as metrics
 from tests.integration.test_deploy_prometheus_live import Prometheus, config_for
 from tests.unit.test_deploy_compose import ENV_FILE, need_tool, read_env_file
 

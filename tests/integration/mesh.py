@@ -39,6 +39,17 @@ QUEUE_GAUGES = {
 }
 
 
+def scrape_metrics(base_url: str) -> dict[str, float]:
+    """Samples of base_url/metrics by name (labels dropped but `queue`; one worker per process)."""
+    text = httpx.get(base_url + "/metrics", timeout=5).text
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            key = s.name if not s.labels.get("queue") else f"{s.name}{{queue={s.labels['queue']}}}"
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
 def wait_for(cond: Callable[[], object], timeout: float, what: str, poll: float = 0.02):
     """Wait until cond() is truthy (returns it); fail with `what` after timeout seconds."""
     deadline = time.monotonic() + timeout
@@ -88,14 +99,7 @@ class Proc:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def metrics(self) -> dict[str, float]:
-        """Samples of /metrics by name (labels dropped; one worker per process)."""
-        text = httpx.get(self.http_url + "/metrics", timeout=5).text
-        out: dict[str, float] = {}
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                key = s.name if not s.labels.get("queue") else f"{s.name}{{queue={s.labels['queue']}}}"
-                out[key] = out.get(key, 0.0) + s.value
-        return out
+        return scrape_metrics(self.http_url)
 
     def health(self) -> dict:
         return httpx.get(self.http_url + "/health", timeout=5).json()

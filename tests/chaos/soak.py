@@ -9,6 +9,8 @@ clients, faults on a seeded schedule; then the invariants (docs/chaos.md):
   5. the router's counters agree with what the clients saw.
 
     python -m tests.chaos.soak --seed 1 --duration 120 --out bench/out/chaos
+    python -m tests.chaos.soak --hosts --seed 1 --duration 90   # each service in its own network
+        namespace (root; tests/hosts), plus partitions between a prefill and a decode
 
 Prints the JSON report (also written to OUT/report-seedN.json, with a timeline PNG beside it)
 and exits non-zero when an invariant fails.
@@ -21,6 +23,7 @@ import asyncio
 import json
 import pathlib
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -29,7 +32,7 @@ from dataclasses import asdict
 import httpx
 
 from tests.chaos.soak_load import LoadState, client_loop
-from tests.chaos.soak_plan import KINDS, Fault, parse_schedule, plan_faults
+from tests.chaos.soak_plan import HOST_KINDS, KINDS, Fault, parse_schedule, plan_faults
 from tests.chaos.soak_verify import check_counts, check_outputs, scrape
 from tests.integration.mesh import QUEUE_GAUGES, Mesh, Proc, wait_for
 
@@ -51,7 +54,11 @@ WATCHDOG_OFF = ("--watchdog-interval", "100000")  # --without watchdog: the swee
 class Soak:
     def __init__(self, args, workdir: pathlib.Path):
         self.args = args
-        self.mesh = Mesh(workdir)
+        if args.hosts:
+            from tests.chaos.soak_hosts import HostsMesh
+            self.mesh = HostsMesh(workdir)
+        else:
+            self.mesh = Mesh(workdir)
         self.workers: dict[str, list[Proc]] = {"prefill": [], "decode": []}
         self.router: Proc | None = None
         self.killed: list[Proc] = []  # processes the soak itself killed (invariant 4 spares them)
@@ -112,6 +119,13 @@ class Soak:
             # have been answered by it (one that straddles the restart counts as cut)
             state.router_gen += 1
             return
+        if f.kind == "partition":
+            self.mesh.partition(f.index, f.peer, f.spec)
+            try:
+                time.sleep(f.hold)
+            finally:
+                self.mesh.heal(f.index, f.peer)
+            return
         proc = self.workers[f.role][f.index]
         if f.kind == "kill":
             self._replace(proc)
@@ -153,7 +167,11 @@ class Soak:
         a = self.args
         began = time.monotonic()
         self.start()
-        plan = parse_schedule(a.schedule) if a.schedule else plan_faults(a.seed, a.duration, a.faults, kinds=tuple(a.kinds))
+        kinds = tuple(a.kinds or (HOST_KINDS if a.hosts else KINDS))
+        # hosts mode: a partition at least twice (when the count allows)
+        must = (*kinds, "partition") if "partition" in kinds else kinds
+        plan = (parse_schedule(a.schedule) if a.schedule
+                else plan_faults(a.seed, a.duration, a.faults, kinds=kinds, must=must))
         state = LoadState(self.router.http_url)
         t0 = time.monotonic()
         state.stop_at = t0 + a.duration
@@ -222,6 +240,7 @@ class Soak:
         }
         report = {
             "seed": self.args.seed, "duration_s": self.args.duration, "clients": self.args.clients,
+            "hosts": self.args.hosts,
             "without": self.args.without,
             "requests": {"sent": len(results), "succeeded": len(results) - len(failed), "failed": len(failed),
                          "failed_in_flight_at_router_restart": len(excused), "failed_by_cause": causes,
@@ -250,9 +269,13 @@ def main(argv=None) -> int:
     ap.add_argument("--duration", type=float, default=120.0, help="seconds of load")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--faults", type=int, default=10, help="faults injected during the load")
-    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    ap.add_argument("--hosts", action="store_true",
+                    help="each service in its own network namespace (root; tests/hosts), partitions among the faults")
+    ap.add_argument("--kinds", nargs="+", default=None, choices=HOST_KINDS,
+                    help=f"fault kinds to draw from (default {' '.join(KINDS)}; with --hosts also partition)")
     ap.add_argument("--schedule", default="",
-                    help="explicit faults instead of a drawn plan, e.g. 'kill:decode:0@8,inject:prefill:0:stall_transfer@15'")
+                    help="explicit faults instead of a drawn plan, e.g. 'kill:decode:0@8,inject:prefill:0:stall_transfer@15'"
+                         " (--hosts: also 'partition:P:D[:both|to_decode|to_prefill][~hold]@seconds')")
     ap.add_argument("--request-timeout", type=float, default=60.0)
     ap.add_argument("--drain-timeout", type=float, default=30.0)
     ap.add_argument("--allow-failures", type=int, default=0)
@@ -260,15 +283,27 @@ def main(argv=None) -> int:
                     help="switch a protection off, to show that the soak then fails")
     ap.add_argument("--out", default="bench/out/chaos")
     args = ap.parse_args(argv)
+    if not args.hosts and ("partition" in (args.kinds or ()) or "partition" in args.schedule):
+        ap.error("partition faults need --hosts (network namespaces)")
+    if args.hosts:
+        from tests.hosts.netns import unsupported_reason
+        if (why := unsupported_reason()) is not None:
+            ap.error(f"--hosts: {why}")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"seed{args.seed}" + "".join(f"-no-{w}" for w in args.without)
+    name = ("hosts-" if args.hosts else "") + f"seed{args.seed}" + "".join(f"-no-{w}" for w in args.without)
     logs = out / f"logs-{name}"  # every process's log, kept for reading a failure
     shutil.rmtree(logs, ignore_errors=True)
     logs.mkdir()
+    # SIGTERM tears down like an exception: processes killed, namespaces deleted
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     soak = Soak(args, logs)
     try:
-        report = soak.run()
+        if args.hosts:  # the clients and every HTTP call of the soak, from inside the client host
+            from tests.chaos.soak_hosts import run_inside
+            report = run_inside(soak.mesh.topo.ns("client"), soak.run)
+        else:
+            report = soak.run()
     finally:
         soak.mesh.close()
     report["logs"] = str(logs)

@@ -20,6 +20,10 @@ INJECTIONS = {
     "hang_forward=6": ("prefill", "decode"),
 }
 KINDS = ("kill", "freeze", "router_restart", "inject")
+# Only in hosts mode (every service in its own network namespace, tests/hosts): cut prefill#index
+# from decode#peer, both ways or one way, for `hold` seconds, then heal.
+HOST_KINDS = (*KINDS, "partition")
+DIRECTIONS = ("both", "to_decode", "to_prefill")  # to_decode: prefill -> decode dropped only
 ROLES = ("prefill", "decode")
 
 
@@ -30,20 +34,27 @@ class Fault:
     role: str = ""  # "prefill" / "decode" ("router" for router_restart)
     index: int = 0  # which worker of that role
     spec: str = ""  # the --faults spec, for "inject"
-    hold: float = 0.0  # seconds frozen / with the injected fault on
+    hold: float = 0.0  # seconds frozen / with the injected fault on / partitioned
+    peer: int = 0  # partition: the decode cut from prefill#index (spec is one of DIRECTIONS)
 
     def describe(self) -> str:
+        if self.kind == "partition":
+            arrow = {"both": "<-x->", "to_decode": "-x->", "to_prefill": "<-x-"}[self.spec]
+            return f"partition prefill#{self.index} {arrow} decode#{self.peer} {self.hold:g}s"
         what = {"kill": "SIGKILL + restart", "freeze": f"SIGSTOP {self.hold:g}s",
                 "router_restart": "router restart", "inject": f"{self.spec} for {self.hold:g}s"}[self.kind]
         return f"{what} {self.role}#{self.index}" if self.kind != "router_restart" else what
 
 
 def plan_faults(seed: int, duration: float, count: int, workers_per_role: int = 2,
-                freeze_for: float = 8.0, inject_for: float = 10.0, kinds: tuple[str, ...] = KINDS) -> list[Fault]:
+                freeze_for: float = 8.0, inject_for: float = 10.0, kinds: tuple[str, ...] = KINDS,
+                partition_for: float = 12.0, must: tuple[str, ...] | None = None) -> list[Fault]:
     """`count` faults at increasing times within [10 %, 80 %] of `duration`. Every kind in
-    `kinds` appears at least once when count allows; the rest are drawn at random."""
+    `must` (default: `kinds`; repeat a kind to have it at least that often) appears when count
+    allows; the rest are drawn at random from `kinds`."""
     rng = random.Random(seed)
-    chosen = list(kinds[:count]) + [rng.choice(kinds) for _ in range(max(0, count - len(kinds)))]
+    must = kinds if must is None else must
+    chosen = list(must[:count]) + [rng.choice(kinds) for _ in range(max(0, count - len(must)))]
     rng.shuffle(chosen)
     start, end = 0.1 * duration, 0.8 * duration
     step = (end - start) / max(1, count)
@@ -58,24 +69,39 @@ def plan_faults(seed: int, duration: float, count: int, workers_per_role: int = 
             faults.append(Fault(at, kind, role, index, hold=freeze_for))
         elif kind == "router_restart":
             faults.append(Fault(at, kind, "router"))
+        elif kind == "partition":
+            faults.append(Fault(at, kind, "prefill", index, spec=rng.choice(DIRECTIONS), hold=partition_for,
+                                peer=rng.randrange(workers_per_role)))
         else:
             spec = rng.choice(sorted(INJECTIONS))
             faults.append(Fault(at, kind, rng.choice(INJECTIONS[spec]), index, spec=spec, hold=inject_for))
     return faults
 
 
-def parse_schedule(text: str, freeze_for: float = 8.0, inject_for: float = 10.0) -> list[Fault]:
+def parse_schedule(text: str, freeze_for: float = 8.0, inject_for: float = 10.0,
+                   partition_for: float = 12.0) -> list[Fault]:
     """Explicit faults, `kind:role:index[:spec][~hold]@seconds` separated by commas
     (router_restart takes no role), e.g.
-    `kill:decode:0@8,inject:prefill:0:stall_transfer~20@15,freeze:decode:1:~12@25,router_restart@40`."""
+    `kill:decode:0@8,inject:prefill:0:stall_transfer~20@15,freeze:decode:1:~12@25,router_restart@40`;
+    a partition (hosts mode) is `partition:P:D[:direction][~hold]@seconds`: prefill#P cut from
+    decode#D, direction both (default), to_decode or to_prefill, e.g. `partition:0:1~15@30`."""
     faults = []
     for item in filter(None, (x.strip() for x in text.split(","))):
         what, _, at = item.partition("@")
         kind, *rest = what.split(":")
-        if kind not in KINDS or not at:
-            raise ValueError(f"bad fault {item!r}: want kind:role:index[:spec]@seconds, kind in {KINDS}")
+        if kind not in HOST_KINDS or not at:
+            raise ValueError(f"bad fault {item!r}: want kind:role:index[:spec]@seconds, kind in {HOST_KINDS}")
         if kind == "router_restart":
             faults.append(Fault(float(at), kind, "router"))
+            continue
+        if kind == "partition":
+            body, _, seconds = what.partition("~")
+            _, p, d, *direction = body.split(":")
+            spec = direction[0] if direction else "both"
+            if spec not in DIRECTIONS:
+                raise ValueError(f"bad partition {item!r}: direction in {DIRECTIONS}")
+            faults.append(Fault(float(at), kind, "prefill", int(p), spec=spec,
+                                hold=float(seconds) if seconds else partition_for, peer=int(d)))
             continue
         role, index, spec = rest[0], int(rest[1]), (rest[2] if len(rest) > 2 else "")
         hold = {"freeze": freeze_for, "inject": inject_for}.get(kind, 0.0)

@@ -41,7 +41,7 @@ class HostProc:
 
     @property
     def grpc_addr(self) -> str:
-        return f"{self.addr}:{GRPC_PORT[self.role]}"
+        return f"{self.addr}:{GRPC_PORT[self.role]}" if self.role in GRPC_PORT else ""
 
     @property
     def http_url(self) -> str:
@@ -69,6 +69,12 @@ class HostProc:
                 out[s.name] = out.get(s.name, 0.0) + s.value
         return out
 
+    def stop(self) -> None:
+        os.kill(self.popen.pid, signal.SIGSTOP)
+
+    def cont(self) -> None:
+        os.kill(self.popen.pid, signal.SIGCONT)
+
     def kill(self) -> None:
         if self.alive():
             try:
@@ -85,9 +91,11 @@ class HostMesh:
         self.obs = NsThread(topo.ns(observer))
         self.env = {**HOST_ENV, **(env or {})}
         self.procs: list[HostProc] = []
+        self._spawned = 0  # a restarted process gets a log of its own
 
     def _spawn(self, role: str, host: str, args: list[str], env: dict | None, http_port: int) -> HostProc:
-        log_path = self.tmp_path / f"{role}-{host}-{len(self.procs)}.log"
+        self._spawned += 1
+        log_path = self.tmp_path / f"{role}-{host}-{self._spawned}.log"
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env, **(env or {})}
         cmd = self.topo.wrap(host, [sys.executable, "-m", f"services.{role}", *args])
         popen = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=log_path.open("wb"),
@@ -115,6 +123,23 @@ class HostMesh:
         proc = self._spawn("router", host, [*args, *extra], env, port)
         self.wait_healthy(proc)
         return proc
+
+    def restart(self, proc: HostProc, wait: bool = True, drop_flags: tuple[str, ...] = (),
+                add_args: tuple[str, ...] = ()) -> HostProc:
+        """Kill `proc` and start the same role on the same host, address and ports (a new epoch,
+        fresh IPC/UTS namespaces), with the same flags except `drop_flags` (each removed with its
+        value), plus `add_args`."""
+        proc.kill()
+        self.procs.remove(proc)
+        args = list(proc.args)
+        for flag in drop_flags:
+            while flag in args:
+                i = args.index(flag)
+                del args[i : i + 2]
+        new = self._spawn(proc.role, proc.host, [*args, *add_args], proc.env, proc.http_port)
+        if wait:
+            self.wait_healthy(new)
+        return new
 
     def wait_healthy(self, proc: HostProc, timeout: float = 120) -> None:
         def ok():

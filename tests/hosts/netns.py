@@ -252,7 +252,9 @@ def leftover_namespaces(prefix: str) -> list[str]:
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _enter(ns: str) -> None:
+def enter_thread(ns: str) -> None:
+    """Move the calling thread (and the threads it starts afterwards) into `ns`'s network
+    namespace; other threads of the process stay where they are."""
     fd = os.open(f"/var/run/netns/{ns}", os.O_RDONLY)
     try:
         if _libc.setns(fd, CLONE_NEWNET) != 0:
@@ -268,7 +270,7 @@ class NsThread:
     host without any address outside the namespaces."""
 
     def __init__(self, ns: str):
-        self._pool = ThreadPoolExecutor(max_workers=8, initializer=_enter, initargs=(ns,))
+        self._pool = ThreadPoolExecutor(max_workers=8, initializer=enter_thread, initargs=(ns,))
 
     def call(self, fn, *args, **kwargs):
         return self._pool.submit(fn, *args, **kwargs).result()

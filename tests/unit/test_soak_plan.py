@@ -1,4 +1,12 @@
-from tests.chaos.soak_plan import INJECTIONS, KINDS, Fault, parse_schedule, plan_faults
+from tests.chaos.soak_plan import (
+    DIRECTIONS,
+    HOST_KINDS,
+    INJECTIONS,
+    KINDS,
+    Fault,
+    parse_schedule,
+    plan_faults,
+)
 
 
 def test_same_seed_same_plan_and_other_seed_other_plan():
@@ -28,3 +36,24 @@ def test_an_explicit_schedule_parses_in_time_order():
                       Fault(30.0, "router_restart", "router")]
     assert parse_schedule("freeze:decode:1:~12@25,inject:prefill:0:stall_transfer~20@9") == [
         Fault(9.0, "inject", "prefill", 0, "stall_transfer", 20.0), Fault(25.0, "freeze", "decode", 1, "", 12.0)]
+
+
+def test_partitions_parse_with_direction_and_hold():
+    assert parse_schedule("partition:0:1~15@30,partition:1:0:to_decode@40,partition:1:1:to_prefill~9@50") == [
+        Fault(30.0, "partition", "prefill", 0, "both", 15.0, peer=1),
+        Fault(40.0, "partition", "prefill", 1, "to_decode", 12.0, peer=0),
+        Fault(50.0, "partition", "prefill", 1, "to_prefill", 9.0, peer=1)]
+    assert parse_schedule("partition:0:1~15@30")[0].describe() == "partition prefill#0 <-x-> decode#1 15s"
+    import pytest
+    with pytest.raises(ValueError):
+        parse_schedule("partition:0:1:sideways@5")
+
+
+def test_partitions_are_drawn_only_when_asked_and_as_often_as_must_says():
+    assert all(f.kind != "partition" for s in range(1, 6) for f in plan_faults(s, 120, 10))
+    faults = plan_faults(1, 90, 10, kinds=HOST_KINDS, must=(*HOST_KINDS, "partition"))
+    parts = [f for f in faults if f.kind == "partition"]
+    assert len(parts) >= 2 and {f.kind for f in faults} == set(HOST_KINDS)
+    for f in parts:
+        assert f.role == "prefill" and f.index in (0, 1) and f.peer in (0, 1) and f.spec in DIRECTIONS
+        assert f.hold > 10  # longer than the soak's longest deadline (prealloc/bootstrap 10 s)

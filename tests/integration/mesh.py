@@ -186,6 +186,15 @@ class Mesh:
         self.wait_healthy(proc)
         return proc
 
+    def start_workers(self, prefills: int, decodes: int, prefill_flags: tuple[str, ...] = (),
+                      decode_flags: tuple[str, ...] = ()) -> tuple[list[Proc], list[Proc]]:
+        """Start the workers side by side (models load in parallel), then wait for all of them."""
+        ps = [self.start_prefill(*prefill_flags, wait=False) for _ in range(prefills)]
+        ds = [self.start_decode(*decode_flags, wait=False) for _ in range(decodes)]
+        for w in (*ps, *ds):
+            self.wait_healthy(w)
+        return ps, ds
+
     def wait_healthy(self, proc: Proc, timeout: float = 90) -> None:
         def ok():
             if not proc.alive():

@@ -46,10 +46,7 @@ ROUTER_FLAGS = ("--health-check-interval", "0.5", "--health-check-timeout", "0.5
 def mesh(tmp_path_factory):
     m = Mesh(tmp_path_factory.mktemp("colocated"))
     try:
-        p = m.start_prefill("--chunked-prefill-size", str(CHUNK), wait=False)
-        ds = [m.start_decode(*DECODE_FLAGS, wait=False) for _ in range(2)]
-        for w in (p, *ds):
-            m.wait_healthy(w)
+        (p,), ds = m.start_workers(1, 2, ("--chunked-prefill-size", str(CHUNK)), DECODE_FLAGS)
         pd = m.start_router([p], [ds[0]], *ROUTER_FLAGS)
         colo = m.start_router([], ds, *ROUTER_FLAGS, "--mode", "colocated")
         yield m, p, ds, pd, colo

@@ -36,10 +36,7 @@ PROMPT = "Once upon a time, in a mesh far away"
 def mesh3(tmp_path_factory):
     m = Mesh(tmp_path_factory.mktemp("router-migration"))
     try:
-        p = m.start_prefill(*PREFILL_FLAGS, wait=False)
-        ds = [m.start_decode(*DECODE_FLAGS, wait=False) for _ in range(2)]
-        for w in (p, *ds):
-            m.wait_healthy(w)
+        (p,), ds = m.start_workers(1, 2, PREFILL_FLAGS, DECODE_FLAGS)
         r = m.start_router([p], ds, *ROUTER_FLAGS)
         yield m, p, ds, r
     finally:

@@ -13,7 +13,7 @@ PROTO_STAMP := $(PROTO_OUT)/.stamp
 # The one configuration file shared with docker compose (docs/deploy.md).
 ENV_FILE ?= deploy/pdmesh.env
 
-.PHONY: run test compose-test hosts-test chaos chaos-three bench bench-router bench-serve gpu-check proto lint venv venv-dev clean
+.PHONY: run test compose-test hosts-test chaos chaos-three chaos-hosts bench bench-router bench-serve gpu-check proto lint venv venv-dev clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,11 @@ chaos: venv-dev proto
 
 chaos-three: venv-dev proto
 	for s in 1 2 3; do $(PY) -m tests.chaos.soak --seed $$s --duration $(DURATION) --out bench/out/chaos || exit 1; done
+
+# The soak with each service in its own network namespace, plus prefill <-> decode partitions
+# (docs/chaos.md, "Hosts mode"; root). `make chaos-hosts SEED=1 DURATION=90`.
+chaos-hosts: venv-dev proto
+	$(PY) -m tests.chaos.soak --hosts --seed $(SEED) --duration $(DURATION) --out bench/out/chaos
 
 # The mesh across hosts (network namespaces; root). `make test` runs these too, and they skip
 # with the reason where namespaces are unavailable.

@@ -65,16 +65,13 @@ def sha(pool: KVPool, pages: list[int]) -> list[str]:
 class Endpoint:
     def __init__(self, args):
         self.args = args
-        self.model = None
-        if args.model:
-            from services.engine.loader import load_model
+        from services.engine.loader import load_model
 
-            loaded = load_model(None)
-            self.model, config = loaded.model, loaded.config
-        else:
-            from services.engine.builtin_model import builtin_config
-
-            config = builtin_config()
+        # Every peer's pool has the default model's layout, with or without the model, so that a
+        # data-only receiver can attach to a sender that runs the model.
+        loaded = load_model(None)
+        config = loaded.config
+        self.model = loaded.model if args.model else None
         self.config = config
         self.pool = KVPool(config, args.pages, page_size=16)
         self.agent = NixlAgent.for_pool(args.role, self.pool)

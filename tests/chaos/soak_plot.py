@@ -33,7 +33,7 @@ def plot_timeline(report: dict, results, t0: float, path: pathlib.Path) -> None:
     ax.add_artist(first)
     ax.legend(handles, list(COLORS), loc="upper left", fontsize=8, title="faults")
     ok = "all invariants hold" if report["ok"] else "INVARIANT FAILED"
-    ax.set_title(f"pdmesh chaos soak, seed {report['seed']}: {report['requests']['sent']} requests, "
+    ax.set_title(f"pdmesh chaos soak{' (hosts)' if report.get('hosts') else ''}, seed {report['seed']}: {report['requests']['sent']} requests, "
                  f"{len(report['faults'])} faults — {ok}", fontsize=10)
     ax.set_xlabel("seconds since load started")
     ax.set_ylabel("requests in flight")

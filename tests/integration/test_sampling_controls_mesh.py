@@ -21,6 +21,9 @@ from tests.integration.worker_client import generate
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
+# The controls below are written in byte tokens (ord("e"), printable bytes as stops): the random
+# byte-level model, on which each control visibly changes greedy output.
+MODEL = "builtin-random"
 PAGE, PAGES = 16, 12  # 6 prompts of 20 fit, their 40-token continuations do not: retraction
 CONTROLS = {
     "presence": dict(presence_penalty=1.5),
@@ -38,8 +41,8 @@ CONTROLS = {
 def workers(tmp_path_factory):
     mesh = Mesh(tmp_path_factory.mktemp("controls"))
     try:
-        p = mesh.start_prefill(wait=False)
-        d = mesh.start_decode("--num-pages", str(PAGES), "--page-size", str(PAGE), wait=False)
+        p = mesh.start_prefill("--model", MODEL, wait=False)
+        d = mesh.start_decode("--model", MODEL, "--num-pages", str(PAGES), "--page-size", str(PAGE), wait=False)
         mesh.wait_healthy(p)
         mesh.wait_healthy(d)
         yield mesh, p, d
@@ -49,7 +52,7 @@ def workers(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference_model():
-    return load_model(None)
+    return load_model(MODEL)
 
 
 def _prompts(seed: int) -> list[list[int]]:

@@ -9,9 +9,10 @@ pages at once: they are held here and released only when
   2. prefill is really gone: the coordinator saw it restart (a new epoch) or declared it dead
      (heartbeat_max_failures heartbeats in a row), or this quarantine's own Abort retries failed
      that many times in a row — never on one UNAVAILABLE, which a prefill in graceful shutdown
-     or a reconnecting channel returns too — and at least `unreachable_hold` seconds (the
-     transfer's TCP user timeout + 1 s) have passed, since an unreachable prefill may only be
-     partitioned away with its WRITE still queued, or
+     or a reconnecting channel returns too — and, unless its host refused the connection (the
+     process is gone), at least `unreachable_hold` seconds (the transfer's TCP user timeout +
+     1 s) have passed, since a prefill that does not answer at all may only be partitioned away
+     with its WRITE still queued, or
   3. `max_wait` has passed (a frozen prefill that never answers): the pages are released with
      a warning, because holding them forever would shrink the pool for good. This is the only
      release that is not proven safe; it is logged as such.
@@ -94,7 +95,7 @@ class Quarantine:
         generation = self.coordinator.prefill_generation(h.prefill_addr)
         max_failures = max(1, self.coordinator.heartbeat_max_failures)
         timeout = max(0.1, min(self.coordinator.rpc_timeout, self.coordinator.heartbeat_interval))
-        failures = 0
+        failures, refused = 0, False
         with bound_room(room):
             while True:
                 why, kind = None, None
@@ -102,20 +103,23 @@ class Quarantine:
                     reply = await self.coordinator.client(h.prefill_addr).abort(
                         room, ABORT_REASON, self.coordinator.receiver.agent_name, timeout=timeout
                     )
-                    failures = 0
+                    failures, refused = 0, False
                     if reply.quiesced:
                         why, kind = "prefill quiesced the room", "quiesced"
                 except ProtocolMismatch as e:  # another release answers: not the process that wrote
                     why, kind = f"prefill speaks another protocol: {e}", "gone"
                 except BootstrapCallError as e:
                     failures += 1
+                    # refused: prefill's host answered and nothing listens — the process is gone,
+                    # not cut off by a partition, so no WRITE of it is still queued in the network
+                    refused = "refused" in (e.details or "").lower()
                     log.info("abort to prefill not answered", prefill=h.prefill_addr, failures=failures, error=str(e))
                     if failures >= max_failures:
                         why, kind = f"prefill unreachable for {failures} tries in a row", "gone"
                 if why is None and self.coordinator.prefill_generation(h.prefill_addr) != generation:
                     why, kind = "prefill restarted or declared dead by heartbeats", "gone"
                 waited = self.clock() - h.since
-                if kind == "gone" and waited < self.unreachable_hold:
+                if kind == "gone" and not refused and waited < self.unreachable_hold:
                     why, kind = None, None  # not yet: its last WRITE may still be in flight
                 if why is None and waited >= self.max_wait:
                     why, kind = f"prefill never let go within {self.max_wait:g}s", "bound"

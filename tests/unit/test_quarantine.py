@@ -56,12 +56,13 @@ UNAVAILABLE = BootstrapCallError("p:1", "Abort", grpc.StatusCode.UNAVAILABLE, "u
 NOT_QUIESCED, QUIESCED = AbortResult(True, False), AbortResult(True, True)
 
 
-def make(replies, max_wait=5.0):
+def make(replies, max_wait=5.0, unreachable_hold=0.0):
     client = FakeClient(replies)
     coord = FakeCoordinator(client)
     alloc = FakeAllocator()
     freed = []
-    q = Quarantine(coord, alloc, lambda: freed.append(1), max_wait=max_wait, retry=0.01)
+    q = Quarantine(coord, alloc, lambda: freed.append(1), max_wait=max_wait, retry=0.01,
+                   unreachable_hold=unreachable_hold)
     return q, coord, client, alloc, freed
 
 
@@ -123,5 +124,34 @@ def test_bound_releases_with_a_warning_and_close_stops_retrying():
         await asyncio.sleep(0.03)
         await q.close()
         assert q.pages_held() == 1 and not alloc.freed
+
+    asyncio.run(run())
+
+
+TIMED_OUT = BootstrapCallError("p:1", "Abort", grpc.StatusCode.DEADLINE_EXCEEDED, "rpc-error", "Deadline Exceeded")
+REFUSED = BootstrapCallError("p:1", "Abort", grpc.StatusCode.UNAVAILABLE, "unavailable",
+                             "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Connection refused")
+
+
+def test_a_prefill_that_does_not_answer_keeps_its_pages_for_the_unreachable_hold():
+    # no answer at all may be a partition: prefill's WRITE may still be queued in its kernel
+    async def run():
+        q, _, client, alloc, _ = make([TIMED_OUT], unreachable_hold=0.3)
+        t0 = asyncio.get_running_loop().time()
+        q.hold(5, "p:1", [4])
+        await settle(q)
+        assert alloc.freed == [([4], 5)] and q.released == {"gone": 1}
+        assert asyncio.get_running_loop().time() - t0 >= 0.3 and client.calls > 3
+
+    asyncio.run(run())
+
+
+def test_a_refused_connection_releases_without_the_hold():
+    # the host answered and nothing listens: the process is gone, nothing more can arrive
+    async def run():
+        q, _, client, alloc, _ = make([REFUSED], unreachable_hold=5.0)
+        q.hold(6, "p:1", [8, 9])
+        await settle(q, timeout=2.0)
+        assert alloc.freed == [([8, 9], 6)] and q.released == {"gone": 1} and client.calls == 3
 
     asyncio.run(run())

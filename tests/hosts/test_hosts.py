@@ -272,6 +272,12 @@ def test_capped_lossy_link_output_unchanged(net):
     p2, rb = w["p2"], w["rb"]
     prompts = [f"capped run {i} " * 250 for i in range(3)]
 
+    def pair_healthy():  # an earlier test's partition may have left rb's pair ejected for a moment
+        h = rb.get("/health").json()
+        return h["prefill"][p2.grpc_addr]["healthy"] and h["decode"][w["d2"].grpc_addr]["healthy"]
+
+    wait_for(pair_healthy, 30, "router rb to see its prefill and decode healthy", poll=0.1)
+
     def run() -> dict:
         texts, ttfts = [], []
         b0, s0, n0 = kv_sent([p2])

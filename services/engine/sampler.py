@@ -33,6 +33,9 @@ def _uniform(seed: int | None, position: int) -> float:
 
 def _filtered_probs(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (probs over the sorted candidate list, their token ids), descending."""
+    # extreme controls (a repetition penalty of 1e-60, a huge logit_bias) overflow float32:
+    # keep the order and sample among what overflowed rather than fail the request on NaN
+    logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
     scaled = logits / params.temperature
     sorted_logits, sorted_ids = torch.sort(scaled, descending=True)
     if params.top_k and params.top_k > 0:
@@ -43,6 +46,7 @@ def _filtered_probs(logits: torch.Tensor, params: SamplingParams) -> tuple[torch
         # keep the smallest prefix whose mass reaches top_p (always at least one token)
         before = torch.cumsum(probs, dim=-1) - probs
         keep = before < params.top_p
+        keep[0] = True
         probs = probs[keep]
         sorted_ids = sorted_ids[keep]
         probs = probs / probs.sum()
@@ -76,7 +80,7 @@ class Sampler:
                 prompt, output = histories[i]
                 row = logits_processors.process(row, p, prompt, output)
                 if p.greedy:
-                    tokens.append(int(torch.argmax(row).item()))
+                    tokens.append(int(torch.argmax(torch.nan_to_num(row, nan=float("-inf"))).item()))
                     continue
             elif p.greedy:
                 tokens.append(greedy_ids[i])

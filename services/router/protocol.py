@@ -153,12 +153,15 @@ def _check_unsupported(body: dict) -> None:
             )
 
 
+INT32_MAX = (1 << 31) - 1  # top_k is an int32 on the wire
+
+
 def _sampling(body: dict, spec_kw: dict) -> None:
     temperature = get_float(body, "temperature", 1.0, 0.0, 2.0)
     top_p = get_float(body, "top_p", 1.0, 0.0, 1.0)
     top_k = get_int(body, "top_k", 0, -1)
-    if top_k == -1:
-        top_k = 0  # vLLM spells "disabled" as -1
+    if top_k == -1 or top_k > INT32_MAX:
+        top_k = 0  # vLLM spells "disabled" as -1; beyond any vocabulary it keeps every token anyway
     if top_p == 0.0:  # "only the most likely token", as OpenAI reads it
         top_p, top_k = 1.0, 1
     seed = body.get("seed")

@@ -89,6 +89,8 @@ def test_sampling_fields():
     assert spec.stream and spec.include_usage and spec.logprobs == 2
     assert completion(top_p=0).top_k == 1  # top_p 0 = only the most likely token
     assert completion(top_k=-1).top_k == 0
+    # found by schemathesis: a top_k beyond int32 used to overflow the wire format (500)
+    assert completion(top_k=2569974698847144).top_k == 0
     assert completion(stop=["a", "", "a", "b"]).stop == ["a", "b"]
     assert chat(logprobs=True).logprobs == 0
     assert chat(logprobs=True, top_logprobs=3).logprobs == 3

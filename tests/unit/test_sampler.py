@@ -71,3 +71,14 @@ def test_invalid_params_rejected():
         SamplingParams(top_p=0)
     with pytest.raises(ValueError):
         SamplingParams(max_tokens=0)
+
+
+def test_controls_that_overflow_float32_still_sample_a_token():
+    # found by schemathesis: repetition_penalty 2.7e-67 turned positive logits into inf, the
+    # softmax into NaN, the top-p filter into an empty list, and the forward into an IndexError
+    logits = torch.randn(2, 64) * 5
+    params = [SamplingParams(temperature=1.0, top_p=0.57, top_k=61084, repetition_penalty=2.7e-67, seed=3),
+              SamplingParams(temperature=0.0, repetition_penalty=1e-60, seed=3)]
+    history = ([1, 2, 3, 40], [4])
+    tokens, logprobs = Sampler().sample(logits, params, [5, 5], [history, history])
+    assert all(0 <= t < 64 for t in tokens) and len(logprobs) == 2

@@ -6,7 +6,13 @@ import dataclasses
 
 import pytest
 
-from services.common.config import DECODE_FLAGS, PREFILL_FLAGS, DecodeSettings, PrefillSettings, parse_settings
+from services.common.config import (
+    DECODE_FLAGS,
+    PREFILL_FLAGS,
+    DecodeSettings,
+    PrefillSettings,
+    parse_settings,
+)
 
 
 @pytest.mark.parametrize("cls,flags", [(PrefillSettings, PREFILL_FLAGS), (DecodeSettings, DECODE_FLAGS)])

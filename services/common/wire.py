@@ -22,6 +22,8 @@ def params_from_pb(p: wpb.SamplingParams) -> SamplingParams:
         logit_bias=tuple(sorted((int(k), float(v)) for k, v in p.logit_bias.items())),
         min_tokens=int(p.min_tokens),
         num_generated=int(p.num_generated),
+        grammar=(p.grammar.kind, p.grammar.source) if p.grammar.kind else None,
+        top_logprobs=int(p.top_logprobs),
     )
 
 
@@ -39,7 +41,10 @@ def params_to_pb(p: SamplingParams) -> wpb.SamplingParams:
         logit_bias=dict(p.logit_bias),
         min_tokens=p.min_tokens,
         num_generated=p.num_generated,
+        top_logprobs=p.top_logprobs,
     )
+    if p.grammar is not None:
+        msg.grammar.kind, msg.grammar.source = p.grammar
     if p.seed is not None:
         msg.seed = p.seed
     return msg

@@ -76,6 +76,8 @@ def sampling_params(spec: GenerateSpec, eos_ids: Sequence[int]) -> SamplingParam
         repetition_penalty=spec.repetition_penalty,
         logit_bias=spec.logit_bias,
         min_tokens=spec.min_tokens,
+        grammar=spec.grammar,
+        top_logprobs=spec.logprobs or 0,
     )
 
 

@@ -63,6 +63,9 @@ class GenerateSpec:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
     min_tokens: int = 0
+    # Structured output (response_format, a forced tool call): (kind, source) as
+    # services/common/sampling_params.GRAMMAR_KINDS; the workers constrain every token with it.
+    grammar: tuple[str, str] | None = None
 
     def choice_seed(self, index: int) -> int:
         return (self.seed + index) & UINT64_MASK

@@ -14,6 +14,7 @@ from typing import Any
 
 from services.common.tokenizer import ChatTemplateError, Tokenizer
 from services.router.errors import bad_request, invalid_type, model_not_found
+from services.router.structured import structured_output
 
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM any. A bound keeps stop matching cheap.
 # Longest stop string, in characters: holding back a possible partial match costs O(length²)
@@ -146,14 +147,6 @@ def _check_unsupported(body: dict) -> None:
     if best_of is not None and best_of != n:
         raise bad_request("'best_of' is not supported (only best_of equal to n).", param="best_of",
                           code="unsupported_value")
-    fmt = body.get("response_format")
-    if fmt is not None:
-        if not isinstance(fmt, dict):
-            raise invalid_type("response_format", "an object", fmt)
-        if fmt.get("type", "text") != "text":
-            raise bad_request(
-                "Only response_format type 'text' is supported.", param="response_format", code="unsupported_value"
-            )
 
 
 INT32_MAX = (1 << 31) - 1  # top_k is an int32 on the wire
@@ -361,6 +354,7 @@ def parse_completion(body: Any, info: ModelInfo) -> GenerateSpec:
     echo = get_bool(body, "echo", False)
     ignore_eos = get_bool(body, "ignore_eos", False)
     skip_special = get_bool(body, "skip_special_tokens", True)
+    kw["grammar"] = structured_output(body, ignore_eos)
     if echo and logprobs is not None:
         raise bad_request("'echo' together with 'logprobs' is not supported.", param="echo", code="unsupported_value")
     ids, text = completion_prompt(body, info.tokenizer)
@@ -483,6 +477,7 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerateSpec:
         )
     ignore_eos = get_bool(body, "ignore_eos", False)
     skip_special = get_bool(body, "skip_special_tokens", True)
+    kw["grammar"] = structured_output(body, ignore_eos)
     ids = chat_prompt(body, info.tokenizer)
     _check_ids(ids, info.tokenizer.vocab_size, "messages")
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), len(ids), info, None, "messages")

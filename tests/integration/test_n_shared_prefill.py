@@ -4,6 +4,7 @@ exactly whichever compute path a choice took).
 - Through the router (two prefills, two decodes): n = 4 with a seed gives four completions,
   reproducible across runs, choice i equal to the n = 1 completion with seed + i; the prefills'
   prompt-token counters together grow by one prompt, and one prefill copied it three times.
+- A client that disconnects mid-stream ends all four choices.
 - On the workers' RPCs directly (a slow prefill: 1 s per forward, 32-token chunks, so followers
   really wait): a follower aborted while it waits, and a leader aborted while followers wait —
   the others finish with the tokens an unshared request gets.
@@ -74,6 +75,18 @@ def test_n4_computes_the_prompt_once_and_equals_n1_with_the_derived_seeds(mesh):
     for i in range(4):
         assert _texts(r, {**body, "n": 1, "seed": 77 + i}) == [texts[i]]
     m.assert_invariants()
+
+
+def test_client_disconnect_mid_stream_ends_every_choice(mesh):
+    m, ps, _, _, r = mesh
+    prompt = "".join(random.Random(6).choice("qrstuvwxyz ") for _ in range(1500))
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 400, "temperature": 1.0, "seed": 5, "n": 4,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", r.http_url + "/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        next(line for line in resp.iter_lines() if line.startswith("data: {"))
+    # the client went away with four decodes running: every room ends, every page comes back
+    m.assert_invariants(timeout=30)
 
 
 PARAMS = [SamplingParams(temperature=1.0, seed=s, max_tokens=6, ignore_eos=True) for s in (11, 12, 13)]

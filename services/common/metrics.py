@@ -73,7 +73,14 @@ class Metrics:
         # (Prometheus' rate()/increase() cannot see a series that is born at 1).
         for queue in _EVICTION_QUEUES.get(engine_type, ()):
             self.watchdog_evictions.labels(**self.labels, queue=queue)
-        self.prompt_tokens = counter("prompt_tokens_total", "prompt tokens processed")
+        # prefill: tokens a forward computed, so n > 1 (one prompt, n choices) counts the prompt once
+        self.prompt_tokens = counter("prompt_tokens_total", "prompt tokens processed (prefill: computed)")
+        self.shared_prompt_tokens = counter(
+            "shared_prompt_tokens_total",
+            "prefill: prompt tokens whose KV was copied from another choice of the same n > 1 request",
+        )
+        if engine_type == "prefill":
+            self.shared_prompt_tokens.labels(**self.labels)  # at 0 from the start
         self.generation_tokens = counter("generation_tokens_total", "tokens generated")
         self.router_requests = counter("router_requests_total", "router requests by HTTP status", ("status",))
         self.router_migrations = counter(

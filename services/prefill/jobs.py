@@ -62,11 +62,20 @@ class Job:
     prefilled: int = 0  # prompt tokens whose KV is computed
     first_token: int = -1
     first_logprob: float = 0.0
-    first_top: list[tuple[int, float]] | None = None
+    first_top: list[tuple[int, float]] | None = None  # top_logprobs alternatives of the first token
+    share_key: int = 0  # n > 1: jobs of one key compute their common prompt once (sharing.py)
+    # a leader's last-position logits (an engine tensor) once its prompt is computed, kept until
+    # it ends so that followers of its key can sample their first token from them
+    last_logits: object | None = None
 
     @property
     def finished(self) -> bool:
         return self.phase is Phase.FINISHED
+
+    @property
+    def kv_ready(self) -> bool:
+        """Its whole prompt's KV is in its pages and it has not ended: followers may copy it."""
+        return self.last_logits is not None and not self.finished
 
     @property
     def remaining(self) -> int:

@@ -13,6 +13,11 @@ Scheduling (`_pick_batch`): jobs that already hold pages are scheduled first —
 compute, and finishing them is what returns pages. Pages go to new jobs in arrival order; when
 the oldest waiting job cannot get its pages, no later job gets any either, so a stream of small
 prompts cannot starve a large one: the pages it needs come back as the jobs ahead finish.
+
+n > 1 (services/prefill/sharing.py): jobs of one share key compute their common prompt once;
+followers wait for the leader's forward (holding no pages) or copy its KV pages into their own
+and sample their own first token from its logits. `pdmesh:prompt_tokens_total` counts the tokens
+a forward computed, `pdmesh:shared_prompt_tokens_total` those a follower copied.
 """
 
 from __future__ import annotations
@@ -27,8 +32,11 @@ from services.common.metrics import Metrics
 from services.common.sampling_params import SamplingParams
 from services.engine.page_allocator import OutOfPages
 from services.engine.runner import PrefillItem
+from services.engine.sampler import TopLogprobs
 from services.engine.worker_engine import WorkerEngine
+from services.prefill.forward import Copy, Sample, run_batch
 from services.prefill.jobs import Job, Phase, PrefillResult, RoomFailed
+from services.prefill.sharing import Plan, ShareGroups
 from services.transfer.sender import KVSender, SenderRoom
 from services.transfer.state import RoomState
 
@@ -52,7 +60,9 @@ class PrefillWorker:
         self.faults = faults
         self.chunk_budget = chunk_budget
         self.jobs: dict[int, Job] = {}
-        self._forward: list[Job] = []  # the jobs whose chunks the engine is computing now
+        self._forward: list[Job] = []  # the jobs whose chunks the engine is computing (or copying into) now
+        self._pinned: list[Job] = []  # leaders whose pages the running forward copies from
+        self.shares = ShareGroups()
         self._seq = itertools.count()
         self._work = asyncio.Event()
         sender.on_terminal = self._on_sender_terminal
@@ -80,13 +90,13 @@ class PrefillWorker:
         return [j.room for j in self._forward]
 
     # --- requests --------------------------------------------------------------------------
-    def submit(self, room: int, token_ids: list[int], params: SamplingParams) -> Job:
+    def submit(self, room: int, token_ids: list[int], params: SamplingParams, share_key: int = 0) -> Job:
         """Register a Prefill RPC's room (raises DuplicateRoom). Attach may already be parked."""
-        job = Job(room, token_ids, params, next(self._seq), asyncio.get_running_loop().create_future())
+        job = Job(room, token_ids, params, next(self._seq), asyncio.get_running_loop().create_future(),
+                  share_key=share_key)
         self.sender.create_room(room)
         self.jobs[room] = job
         self.metrics.inc(self.metrics.num_requests)
-        self.metrics.inc(self.metrics.prompt_tokens, len(token_ids))
         self.kick()
         return job
 
@@ -132,6 +142,7 @@ class PrefillWorker:
             return
         was = job.phase
         job.phase = Phase.FINISHED
+        self.shares.drop(job)  # its followers, if any, compute themselves on the next pass
         if isinstance(outcome, RoomFailed):
             if was is Phase.INFLIGHT and outcome.code == "UNAVAILABLE":
                 self.metrics.inc(self.metrics.num_transfer_failed_reqs)
@@ -141,7 +152,7 @@ class PrefillWorker:
                 job.future.set_exception(outcome)
         elif not job.future.done():
             job.future.set_result(outcome)
-        if job not in self._forward:
+        if job not in self._forward and job not in self._pinned:
             self._release(job)
         self.kick()  # freed pages may unblock waiting jobs
 
@@ -175,60 +186,76 @@ class PrefillWorker:
             self.finish(job, RoomFailed(reason or "failed"))
 
     # --- scheduling ------------------------------------------------------------------------
-    async def schedule_loop(self) -> None:
-        while True:
-            await self._work.wait()
-            self._work.clear()
-            while True:
-                batch = self._pick_batch()
-                if not batch:
-                    break
-                await self._run_batch(batch)
-
-    def _pick_batch(self) -> list[tuple[Job, int]]:
-        """(job, tokens of its next chunk) under the chunk budget; see the module docstring."""
+    def _pick_batch(self) -> tuple[list[tuple[Job, int]], list[tuple[Job, Job]]]:
+        """(job, tokens of its next chunk) under the chunk budget, and (follower, leader) KV
+        copies (they compute nothing, so they take no budget); see the module docstring."""
         ready = [j for j in self.jobs.values() if j.phase is Phase.QUEUED and self._state(j) == RoomState.WAITING_FOR_INPUT]
         ready.sort(key=lambda j: (j.pages is None, j.seq))  # page holders first, then arrival order
         pool = self.engine.pool
-        budget, batch = self.chunk_budget, []
+        budget, batch, copies, finals = self.chunk_budget, [], [], set()
         for job in ready:
-            if budget <= 0:
+            plan, leader = self.shares.plan(job, finals)
+            if plan is Plan.WAIT:
+                continue  # the leader is computing this prompt; it ends or completes it soon
+            if plan is Plan.COMPUTE and budget <= 0:
                 break
             if job.pages is None:
                 try:
                     job.pages = pool.allocator.alloc(pool.pages_for_tokens(len(job.token_ids)), owner=job.room)
                 except OutOfPages:
                     break  # later arrivals wait too: the oldest gets the pages that come back
+            if plan is Plan.COPY:
+                copies.append((job, leader))
+                continue
             n = min(budget, job.remaining)
+            self.shares.lead(job)
+            if n == job.remaining:
+                finals.add(job)
             batch.append((job, n))
             budget -= n
-        return batch
+        return batch, copies
 
-    async def _run_batch(self, batch: list[tuple[Job, int]]) -> None:
+    async def schedule_loop(self) -> None:
+        while True:
+            await self._work.wait()
+            self._work.clear()
+            while True:
+                batch, copies = self._pick_batch()
+                if not batch and not copies:
+                    break
+                await self._run_batch(batch, copies)
+
+    async def _run_batch(self, batch: list[tuple[Job, int]], copies: list[tuple[Job, Job]]) -> None:
         items = [PrefillItem(j.token_ids[j.prefilled : j.prefilled + n], j.prefilled, j.pages) for j, n in batch]
         finals = [i for i, (j, n) in enumerate(batch) if n == j.remaining]
-        params = [batch[i][0].params for i in finals]
-        positions = [len(batch[i][0].token_ids) for i in finals]
-        histories = [(batch[i][0].token_ids, ()) for i in finals]  # for penalties / logit_bias / min_tokens / grammar
+        final_jobs = [batch[i][0] for i in finals]
+        final_at = {j: k for k, j in enumerate(final_jobs)}
+        copy_items = [Copy(f.pages, ld.pages, final_at.get(ld), ld.last_logits) for f, ld in copies]
+        samplers = final_jobs + [f for f, _ in copies]
+        # the history feeds penalties / logit_bias / min_tokens
+        sample = Sample([j.params for j in samplers], [len(j.token_ids) for j in samplers],
+                        [(j.token_ids, ()) for j in samplers])
+        keep = [k for k, j in enumerate(final_jobs) if self.shares.leader_of(j) is j]
         engine = self.engine
 
-        def forward():
-            logits = engine.runner.prefill(items)
-            # one token per request here: its grammar matcher is built from the ids, not cached
-            return engine.sampler.sample_full(logits[finals], params, positions, histories) if finals else ([], [], [])
-
-        self._forward = [j for j, _ in batch]
+        self._forward = [j for j, _ in batch] + [f for f, _ in copies]
+        self._pinned = [ld for _, ld in copies if ld not in self._forward]
         for j in self._forward:
             j.phase = Phase.FORWARD
         error: Exception | None = None
         try:
-            tokens, logprobs, tops = await engine.run(forward)
+            tokens, logprobs, tops, kept = await engine.run(run_batch, engine, items, finals, copy_items, sample, keep)
         except Exception as e:  # noqa: BLE001 - a failed forward fails its rooms, not the worker
-            log.exception("prefill forward failed", rooms=[j.room for j, _ in batch])
-            error, tokens, logprobs, tops = e, [], [], []
-        self._forward = []
-        sampled = dict(zip(finals, zip(tokens, logprobs, tops, strict=True), strict=False))
-        for i, (job, n) in enumerate(batch):
+            log.exception("prefill forward failed", rooms=[j.room for j in self._forward])
+            error, tokens, logprobs, tops, kept = e, [], [], [], {}
+        done, pinned = self._forward, self._pinned
+        self._forward, self._pinned = [], []
+        sampled = dict(zip(samplers, zip(tokens, logprobs, tops, strict=True), strict=False))
+        for ld in pinned:
+            if ld.finished:  # ended while the copy read its pages: its release waited for us
+                self._release(ld)
+        chunk_of = dict(batch)
+        for job in done:
             if job.finished:  # aborted, evicted or timed out mid-forward: its release waited for us
                 self._release(job)
             elif error is not None:
@@ -236,10 +263,23 @@ class PrefillWorker:
             elif self._state(job) != RoomState.WAITING_FOR_INPUT:  # transfer layer ended it; its callback finishes it
                 job.phase = Phase.QUEUED
             else:
-                job.prefilled += n
-                if i in sampled:
-                    job.first_token, job.first_logprob, job.first_top = sampled[i]
-                    job.phase = Phase.INFLIGHT
-                    self.sender.send(job.room, job.pages, job.first_token, job.first_logprob)
-                else:
-                    job.phase = Phase.QUEUED
+                self._advance(job, chunk_of.get(job), sampled.get(job), kept.get(final_at.get(job, -1)))
+
+    def _advance(self, job: Job, chunk: int | None, first: tuple[int, float, TopLogprobs | None] | None,
+                 logits) -> None:
+        """A job's forward (a chunk, or a copy when chunk is None) succeeded: count it, and send
+        the KV once the whole prompt is there."""
+        if chunk is None:
+            self.metrics.inc(self.metrics.shared_prompt_tokens, len(job.token_ids))
+            job.prefilled = len(job.token_ids)
+        else:
+            self.metrics.inc(self.metrics.prompt_tokens, chunk)
+            job.prefilled += chunk
+        if first is None:
+            job.phase = Phase.QUEUED
+            return
+        if logits is not None:
+            job.last_logits = logits  # later followers of its key copy its KV and sample from these
+        job.first_token, job.first_logprob, job.first_top = first
+        job.phase = Phase.INFLIGHT
+        self.sender.send(job.room, job.pages, job.first_token, job.first_logprob)

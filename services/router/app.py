@@ -39,7 +39,7 @@ from services.common.metrics import CONTENT_TYPE, Metrics
 from services.common.tokenizer import BUILTIN_NAMES, Tokenizer, load_tokenizer
 from services.router import errors, openapi
 from services.router.errors import APIError
-from services.router.fanout import FanIn
+from services.router.fanout import FanIn, PrefillShare
 from services.router.orchestrator import Orchestrator, new_room
 from services.router.output import TokenStrings
 from services.router.pool import WorkerPool
@@ -251,7 +251,8 @@ class _Run:
     """One admitted generation request: drives the orchestrator, records metrics, logs its end.
 
     With n > 1 every choice is its own orchestrator run (router fan-out, services/router/fanout.py)
-    with seed + index; the response is assembled from one ResponseState per choice."""
+    with seed + index, sharing one prefill that computes the prompt once; the response is
+    assembled from one ResponseState per choice."""
 
     def __init__(self, router: Router, spec: GenerateSpec, request_id: int, t0: float, deadline: float):
         self.router = router
@@ -263,9 +264,11 @@ class _Run:
         self.states = [ResponseState(spec, router.tokenizer, router.token_strings, rid, index=i)
                        for i in range(spec.n)]
         self.state = self.states[0]
+        share = PrefillShare(new_room()) if spec.n > 1 else None
         self.fan = FanIn([
             router.orchestrator.generate(replace(spec, seed=spec.choice_seed(i)), deadline,
-                                         router.settings.request_timeout, first_room=request_id if i == 0 else None)
+                                         router.settings.request_timeout, first_room=request_id if i == 0 else None,
+                                         share=share)
             for i in range(spec.n)
         ])
         self.last_token_at: list[float | None] = [None] * spec.n

@@ -3,6 +3,12 @@
 Each choice is a full request on the workers (its own pair, room and seed), so it fails over and
 migrates on its own exactly as a single request does; `FanIn.next()` hands back whichever choice
 has a chunk first. A request with n = 1 goes through the same path with one generator.
+
+The prompt is computed once, not n times: the first attempt of every choice goes to the same
+prefill (`PrefillShare.prefill`, the one the first choice drew) with one `share_key`, and that
+prefill computes the prompt for the first of them and copies its KV to the others
+(services/prefill/sharing.py). Decode workers may differ. A retry or migration is an ordinary
+attempt, without the key.
 """
 
 from __future__ import annotations
@@ -10,8 +16,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from services.router.orchestrator import Chunk
+from services.router.pool import Worker
+
+
+@dataclass
+class PrefillShare:
+    """What the n choices of one request share on their first attempt."""
+
+    key: int  # PrefillRequest.share_key: non-zero, random per request
+    prefill: Worker | None = None  # the prefill the first choice drew; the others ask for it
 
 
 class FanIn:

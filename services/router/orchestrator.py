@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import secrets
 from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -42,6 +43,9 @@ from services.router.errors import APIError, bad_request, deadline_exceeded, ups
 from services.router.migration import Progress, migration_reason
 from services.router.pool import Worker, WorkerPool
 from services.router.protocol import GenerateSpec
+
+if TYPE_CHECKING:
+    from services.router.fanout import PrefillShare
 
 __all__ = ["Chunk", "Orchestrator", "WorkerFailure", "new_room", "sampling_params"]
 
@@ -155,11 +159,14 @@ class Orchestrator:
                 )
 
     async def generate(
-        self, spec: GenerateSpec, deadline: float, timeout: float, first_room: int | None = None
+        self, spec: GenerateSpec, deadline: float, timeout: float, first_room: int | None = None,
+        share: PrefillShare | None = None,
     ) -> AsyncIterator[Chunk]:
         """Chunks of one request; raises APIError. Close it (aclose) to cancel the RPCs.
 
         The first attempt uses `first_room` (the request id) when given; later ones get new rooms.
+        `share` (one choice of n > 1): the first attempt goes to the prefill the choices share,
+        with their share key (services/router/fanout.py).
         """
         loop = asyncio.get_running_loop()
         base = sampling_params(spec, self.eos_ids)
@@ -181,7 +188,11 @@ class Orchestrator:
                     yield Chunk([], [], "length")
                     return
                 self._check_capacity(refused, spec, progress)
-                prefill, decode = await self.pool.choose_pair(exclude)
+                sharing = share is not None and number == 0
+                prefill, decode = await self.pool.choose_pair(exclude, share.prefill if sharing else None)
+                if sharing and share.prefill is None:
+                    share.prefill = prefill  # the first choice to get here picks it for all
+                share_key = share.key if sharing and prefill is not None and prefill is share.prefill else 0
                 if (prefill, decode) in failed_pairs:
                     # Nothing else is healthy: the same pair gets one more chance, not more.
                     repeats += 1
@@ -198,7 +209,7 @@ class Orchestrator:
                 with structlog.contextvars.bound_contextvars(room=room):
                     try:
                         attempt = Attempt(self.pool, self.reap, prefill, decode, room, ids, params, deadline,
-                                          self.stall_timeout)
+                                          self.stall_timeout, share_key)
                     except BaseException:
                         if prefill is not None:
                             prefill.inflight -= 1

@@ -270,9 +270,12 @@ class WorkerPool:
     def has_healthy_pair(self) -> bool:
         return (self.colocated or any(w.healthy for w in self.prefills)) and any(w.healthy for w in self.decodes)
 
-    async def choose_pair(self, exclude: Iterable[Worker] = ()) -> tuple[Worker | None, Worker]:
+    async def choose_pair(
+        self, exclude: Iterable[Worker] = (), prefill: Worker | None = None
+    ) -> tuple[Worker | None, Worker]:
         """A healthy (prefill, decode), avoiding `exclude` when another healthy worker exists;
-        colocated: (None, decode).
+        colocated: (None, decode). `prefill`: take that prefill while it is healthy and not
+        excluded (the n choices of one request share one prefill, services/router/fanout.py).
 
         The pair comes reserved: each worker's `inflight` is already counted (with no await between
         choosing and counting, so concurrent requests see each other's load); the caller releases it.
@@ -284,7 +287,10 @@ class WorkerPool:
                 await self.probe_all(group)  # bounded by the probe timeout
             if not any(w.healthy for w in group):
                 raise no_healthy_workers(role)
-        prefill = None if self.colocated else self._choose("prefill", self.prefills, excluded)
+        if self.colocated:
+            prefill = None
+        elif not (prefill is not None and prefill.healthy and prefill not in excluded and prefill in self.prefills):
+            prefill = self._choose("prefill", self.prefills, excluded)
         decode = self._choose("decode", self.decodes, excluded)
         if prefill is not None:
             prefill.inflight += 1

@@ -3,7 +3,8 @@
 - n = 4 with a seed: four completions, the same on a second run, choice i equal to the n = 1
   completion with seed + i; streamed, each delta carries its choice's `index` and the chunks
   reassemble to the same four texts; usage counts the prompt once and sums the completions.
-  The prompt is computed once per choice (router fan-out): prefill's prompt-token counter shows it.
+  The prompt is computed once for all four (services/prefill/sharing.py): prefill's prompt-token
+  counter shows it.
 - penalties and logit_bias set in the OpenAI request reach both workers: greedy output equals
   single-process generation with the same control.
 One mesh for the module.
@@ -72,8 +73,8 @@ def test_n_choices_are_seeded_reproducible_and_streamed_with_their_index(router)
     assert out["usage"]["prompt_tokens"] == prompt_len
     assert out["usage"]["completion_tokens"] == 4 * 12
     assert out["usage"]["total_tokens"] == prompt_len + 48
-    # router fan-out: each choice is a full request on the workers, so prefill computed the prompt 4 times
-    assert p.metrics()["pdmesh:prompt_tokens_total"] - before == 4 * prompt_len
+    # the four choices share one prefill, which computed the prompt once and copied its KV 3 times
+    assert p.metrics()["pdmesh:prompt_tokens_total"] - before == prompt_len
 
     again = _post(r, "/v1/completions", body)
     assert [c["text"] for c in sorted(again["choices"], key=lambda c: c["index"])] == texts

@@ -43,9 +43,11 @@ async def generate(
     room: int | None = None,
     timeout: float = 60,
     cancel_on_failure: bool = True,
+    share_key: int = 0,
 ) -> Outcome:
     """cancel_on_failure=False leaves the other RPC running when one fails, so a test can see
-    the worker end it on its own (heartbeat, deadline) instead of by cancellation."""
+    the worker end it on its own (heartbeat, deadline) instead of by cancellation. share_key:
+    PrefillRequest.share_key (the n choices of one router request share one)."""
     room = new_room() if room is None else room
     out = Outcome(room)
     async with channel(prefill_addr) as pch, channel(decode_addr) as dch:
@@ -55,7 +57,8 @@ async def generate(
         async def do_prefill():
             try:
                 out.prefill_reply = await p_stub.Prefill(
-                    wpb.PrefillRequest(room=room, token_ids=token_ids, params=pb_params), timeout=timeout
+                    wpb.PrefillRequest(room=room, token_ids=token_ids, params=pb_params, share_key=share_key),
+                    timeout=timeout,
                 )
             except grpc.aio.AioRpcError as e:
                 out.prefill_error = e

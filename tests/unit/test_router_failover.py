@@ -263,3 +263,42 @@ def test_openapi_describes_the_openai_endpoints(make):
     docs = httpx.get(c.url + "/docs")
     assert docs.status_code == 200 and "swagger" in docs.text.lower()
     assert MODEL  # the served name the schema's examples refer to
+
+
+# --- n > 1: one prefill for all choices --------------------------------------------------------------
+
+
+def _choices(c: Cluster, n: int) -> list[str]:
+    r = post(c, "/v1/completions", completion(prompt=PROMPT, max_tokens=5, seed=3, n=n))
+    assert r.status_code == 200, r.text
+    return [ch["text"] for ch in sorted(r.json()["choices"], key=lambda ch: ch["index"])]
+
+
+def test_n_choices_share_one_prefill_and_one_key_while_decodes_differ(make):
+    c = make(n_prefill=2, n_decode=2)
+    assert _choices(c, 4) == [expected(c, 5)] * 4
+    used = [p for p in c.prefills if p.seen.requests]
+    assert len(used) == 1 and len(used[0].seen.requests) == 4
+    keys = {r.share_key for r in used[0].seen.requests}
+    assert len(keys) == 1 and keys != {0}
+    assert all(d.seen.requests for d in c.decodes)  # decode is chosen per choice as usual
+    _choices(c, 4)
+    assert len({r.share_key for p in c.prefills for r in p.seen.requests}) == 2  # a key per request
+    _choices(c, 1)
+    assert [r.share_key for p in c.prefills for r in p.seen.requests].count(0) == 1  # n = 1: no key
+    c.all_rpcs_ended()
+
+
+def test_a_choice_that_fails_over_retries_without_the_key(make):
+    c = make(n_prefill=2, n_decode=1)
+    for p in c.prefills:  # whichever prefill the choices share fails its first Prefill once
+        p.behaviour = Behaviour(mode="fail", times=1, code=grpc.StatusCode.UNAVAILABLE)
+    # the fake decode streams without waiting for any KV: held back, its first token cannot beat
+    # the Prefill failure (after the first token a prefill failure no longer matters)
+    c.decodes[0].behaviour = Behaviour(delay=0.3)
+    assert _choices(c, 3) == [expected(c, 5)] * 3
+    keyed = [(p, r.share_key) for p in c.prefills for r in p.seen.requests if r.share_key]
+    assert len(keyed) == 3 and len(set(keyed)) == 1  # the first attempts: one prefill, one key
+    retries = [r for p in c.prefills for r in p.seen.requests if not r.share_key]
+    assert retries  # the failed choice's retry is an ordinary request
+    c.all_rpcs_ended()

@@ -50,6 +50,13 @@ def params_to_pb(p: SamplingParams) -> wpb.SamplingParams:
     return msg
 
 
+def top_logprobs_pb(tops) -> list[wpb.TopLogprobs]:
+    """Per token [(id, logprob), ...] (or None: none asked for) as TopLogprobs messages."""
+    if not tops:
+        return []
+    return [wpb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top]) for top in tops]
+
+
 def validate_prompt(token_ids: list[int], params: SamplingParams, vocab_size: int, max_positions: int) -> str | None:
     """None if the request can run on this model, else a message for INVALID_ARGUMENT."""
     if not token_ids:

@@ -57,6 +57,8 @@ class Tokens:
     logprobs: list[float]
     finish_reason: str
     completion_tokens: int
+    # per token, the top_logprobs alternatives [(id, logprob)]; None when the request asked for none
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(eq=False)

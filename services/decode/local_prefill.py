@@ -40,11 +40,12 @@ async def run_chunks(scheduler, batch: list[tuple[Job, int]]) -> None:
     finals = [i for i, (j, n) in enumerate(batch) if j.prefilled + n == len(j.token_ids)]
     params = [batch[i][0].params for i in finals]
     positions = [len(batch[i][0].token_ids) for i in finals]
-    histories = [(batch[i][0].token_ids, ()) for i in finals]  # for penalties / logit_bias / min_tokens
+    histories = [(batch[i][0].token_ids, ()) for i in finals]  # for penalties / logit_bias / min_tokens / grammar
+    rooms = [batch[i][0].room for i in finals]
 
     def forward():
         logits = engine.runner.prefill(items)
-        return engine.sampler.sample(logits[finals], params, positions, histories) if finals else ([], [])
+        return engine.sampler.sample_full(logits[finals], params, positions, histories, rooms) if finals else ([], [], [])
 
     result = await scheduler._forward([j for j, _ in batch], forward)
     sampled = {} if isinstance(result, Exception) else dict(zip(finals, zip(*result, strict=True), strict=True))

@@ -164,11 +164,12 @@ class DecodeScheduler:
         positions = [j.context_len - 1 for j in batch]  # the last token goes in here
         items = [DecodeItem(j.output[-1], p, list(j.pages)) for j, p in zip(batch, positions, strict=True)]
         params = [j.params for j in batch]
-        histories = [(j.token_ids, j.output) for j in batch]  # for penalties / logit_bias / min_tokens
+        histories = [(j.token_ids, j.output) for j in batch]  # for penalties / logit_bias / min_tokens / grammar
+        rooms = [j.room for j in batch]  # grammar matchers are cached per room
 
         def forward():
             logits = engine.runner.decode(items)
-            return engine.sampler.sample(logits, params, [p + 1 for p in positions], histories)
+            return engine.sampler.sample_full(logits, params, [p + 1 for p in positions], histories, rooms)
 
         result = await self._forward(batch, forward)
         if isinstance(result, Exception):
@@ -178,8 +179,8 @@ class DecodeScheduler:
                 else:
                     self.worker.fail(job, f"decode step failed: {type(result).__name__}: {result}", "INTERNAL")
             return
-        for job, tok, lp in zip(batch, *result, strict=True):
+        for job, tok, lp, top in zip(batch, *result, strict=True):
             if job.finished:  # ended mid-step: its release waited for the step
                 self.worker.release(job)
             else:
-                self.worker.emit(job, tok, lp)
+                self.worker.emit(job, tok, lp, top)

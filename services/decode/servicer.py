@@ -15,7 +15,7 @@ import grpc
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.logging_setup import bound_room, get_logger
-from services.common.wire import parse_request
+from services.common.wire import parse_request, top_logprobs_pb
 from services.decode.worker import DecodeFailed, DecodeWorker
 from services.transfer.state import DuplicateRoom
 
@@ -33,6 +33,7 @@ class DecodeServicer(wpb_grpc.DecodeServicer):
             ids = list(request.token_ids)
             try:
                 params = parse_request(request.params, ids, self.worker.engine.config)
+                self.worker.engine.check_grammar(params)
                 if request.colocated and request.prefill_addr:
                     raise ValueError("a colocated request has no prefill_addr")
                 if not request.colocated and not request.prefill_addr:
@@ -65,6 +66,7 @@ class DecodeServicer(wpb_grpc.DecodeServicer):
                         finish_reason=item.finish_reason,
                         prompt_tokens=len(ids),
                         completion_tokens=item.completion_tokens,
+                        top_logprobs=top_logprobs_pb(item.top_logprobs),
                     )
                     if item.finish_reason:
                         done = True

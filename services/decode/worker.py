@@ -161,6 +161,7 @@ class DecodeWorker:
                 self.engine.pool.allocator.free(job.pages, owner=job.room)
             job.pages = None
         self.receiver.release(job.room)
+        self.engine.forget_room(job.room)
         self.pages_freed()
 
     def pages_freed(self) -> None:
@@ -191,7 +192,7 @@ class DecodeWorker:
         if not job.finished:
             self.scheduler.wake()
 
-    def emit(self, job: Job, token: int, logprob: float) -> None:
+    def emit(self, job: Job, token: int, logprob: float, top: list[tuple[int, float]] | None = None) -> None:
         now = time.monotonic()
         if job.last_token_at is None:
             self.metrics.observe(self.metrics.time_to_first_token, now - job.created_at)
@@ -205,6 +206,6 @@ class DecodeWorker:
             finish = "stop"
         elif len(job.output) >= job.params.max_tokens:
             finish = "length"
-        job.out.put_nowait(Tokens([token], [logprob], finish, len(job.output)))
+        job.out.put_nowait(Tokens([token], [logprob], finish, len(job.output), [top] if top is not None else None))
         if finish:
             self.finish(job)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.sampling_params import SamplingParams
+from services.engine.grammar import GrammarRegistry
 from services.engine.kv_pool import KVPool
 from services.engine.model import CausalLM
 from services.engine.runner import DecodeItem, ModelRunner, PrefillItem
@@ -46,8 +47,10 @@ def generate_full(
     prompts: list[list[int]],
     params: list[SamplingParams],
     chunk_budget: int = 512,
+    grammars: GrammarRegistry | None = None,
 ) -> list[Generation]:
-    runner, sampler = ModelRunner(model, pool), Sampler()
+    """grammars: needed by requests with structured output (params.grammar)."""
+    runner, sampler = ModelRunner(model, pool), Sampler(grammars)
     eos_ids = model.config.eos_token_ids
     seqs = []
     try:
@@ -71,7 +74,7 @@ def generate_full(
                     [DecodeItem(s.output[-1], p, s.pages) for s, p in zip(running, pos, strict=True)]
                 )
                 toks, lps = sampler.sample(logits, [s.params for s in running], [p + 1 for p in pos],
-                                           [(s.prompt, s.output) for s in running])
+                                           [(s.prompt, s.output) for s in running], [("local", s.idx) for s in running])
                 for s, t, lp in zip(running, toks, lps, strict=True):
                     finish(s, t, lp)
             # then prefill chunks within the token budget
@@ -96,7 +99,7 @@ def generate_full(
                     rows = [r for r, _ in final]
                     toks, lps = sampler.sample(
                         logits[rows], [s.params for _, s in final], [len(s.prompt) for _, s in final],
-                        [(s.prompt, s.output) for _, s in final],
+                        [(s.prompt, s.output) for _, s in final], [("local", s.idx) for _, s in final],
                     )
                     for (_, s), t, lp in zip(final, toks, lps, strict=True):
                         finish(s, t, lp)
@@ -107,6 +110,8 @@ def generate_full(
     finally:
         for s in seqs:
             pool.allocator.free(s.pages, owner=("local", s.idx))
+            if grammars is not None:
+                grammars.forget(("local", s.idx))
 
 
 def generate(

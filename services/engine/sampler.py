@@ -7,20 +7,23 @@ single-process run samples, whatever the batch composition.
 
 Penalties, logit_bias and min_tokens (services/engine/logits_processors.py) need the request's
 history: the caller passes (prompt ids, generated ids) per row, and the state is rebuilt from
-them on every call.
+them on every call. So does a grammar (services/engine/grammar.py): its matcher is a function of
+the generated ids, cached per room (`keys`) only to save the work of replaying them.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 
 from services.common.sampling_params import SamplingParams
 from services.engine import logits_processors
+from services.engine.grammar import GrammarRegistry
 
 History = tuple[Sequence[int], Sequence[int]]  # (the worker's prompt ids, the ids it generated)
+TopLogprobs = list[tuple[int, float]]  # the k most likely (token id, logprob), most likely first
 
 
 def _uniform(seed: int | None, position: int) -> float:
@@ -54,19 +57,36 @@ def _filtered_probs(logits: torch.Tensor, params: SamplingParams) -> tuple[torch
 
 
 class Sampler:
+    def __init__(self, grammars: GrammarRegistry | None = None):
+        self.grammars = grammars  # None: this worker cannot serve structured output
+
     def sample(
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
         positions: list[int],
         histories: Sequence[History] | None = None,
+        keys: Sequence[Hashable] | None = None,
     ) -> tuple[list[int], list[float]]:
+        tokens, logprobs, _ = self.sample_full(logits, params, positions, histories, keys)
+        return tokens, logprobs
+
+    def sample_full(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        positions: list[int],
+        histories: Sequence[History] | None = None,
+        keys: Sequence[Hashable] | None = None,
+    ) -> tuple[list[int], list[float], list[TopLogprobs | None]]:
         """logits [B, V] float32; positions[i] = the position the sampled token will occupy;
         histories[i] = (prompt ids, generated ids) of row i, needed by rows whose params process
-        the logits (penalties, logit_bias, min_tokens).
+        the logits (penalties, logit_bias, min_tokens, grammar); keys[i] = the row's room, under
+        which its grammar matcher is cached (None: rebuilt from the ids on every call).
 
-        Returns the chosen token ids and their logprobs under the raw (unprocessed, untempered)
-        distribution, as vLLM reports them by default.
+        Returns the chosen token ids, their logprobs under the raw (unprocessed, untempered)
+        distribution, as vLLM reports them by default, and per row the top_logprobs alternatives
+        (None for rows that asked for none).
         """
         logits = logits.float()
         logprobs_all = torch.log_softmax(logits, dim=-1)
@@ -79,6 +99,8 @@ class Sampler:
                     raise ValueError("this request's sampling needs its token history")
                 prompt, output = histories[i]
                 row = logits_processors.process(row, p, prompt, output)
+                if p.grammar is not None:
+                    row = self._constrain(row, logits[i], p, prompt, output, keys[i] if keys else None)
                 if p.greedy:
                     tokens.append(int(torch.argmax(torch.nan_to_num(row, nan=float("-inf"))).item()))
                     continue
@@ -92,4 +114,25 @@ class Sampler:
             tokens.append(int(ids[min(idx, ids.numel() - 1)].item()))
         chosen = torch.tensor(tokens, device=logits.device)
         logprobs = logprobs_all[torch.arange(len(tokens), device=logits.device), chosen].tolist()
-        return tokens, logprobs
+        tops: list[TopLogprobs | None] = [None] * len(params)
+        k_max = max((p.top_logprobs for p in params), default=0)
+        if k_max:
+            values, ids = torch.topk(logprobs_all, min(k_max, logits.shape[-1]), dim=-1)
+            values, ids = values.tolist(), ids.tolist()
+            for i, p in enumerate(params):
+                if p.top_logprobs:
+                    tops[i] = list(zip(ids[i][: p.top_logprobs], values[i][: p.top_logprobs], strict=True))
+        return tokens, logprobs, tops
+
+    def _constrain(self, row, raw, p: SamplingParams, prompt, output, key) -> torch.Tensor:
+        """Mask out what the grammar forbids after the request's generated ids. The grammar wins
+        over the other controls: when they leave nothing it allows (min_tokens holding back the
+        end of a complete JSON value), it samples among the grammar's choices of the raw logits."""
+        if self.grammars is None:
+            raise ValueError("this worker serves no structured output (no grammar registry)")
+        _, generated = logits_processors.split_history(prompt, output, p)
+        allowed = self.grammars.allowed_mask(key, p.grammar, generated).to(row.device)
+        masked = row.masked_fill(~allowed, float("-inf"))
+        if not torch.isfinite(masked).any():
+            masked = raw.masked_fill(~allowed, float("-inf"))
+        return masked

@@ -13,20 +13,26 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import pathlib
 import random
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import structlog
 import torch
 
 from services.common.faults import Faults
+from services.common.sampling_params import SamplingParams
+from services.common.tokenizer import load_tokenizer
+from services.engine.grammar import GrammarError, GrammarRegistry, build_tokenizer
 from services.engine.kv_pool import KVPool
 from services.engine.loader import LoadedModel, load_model
 from services.engine.runner import ModelRunner
 from services.engine.sampler import Sampler
 
 T = TypeVar("T")
+log = structlog.get_logger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,7 +49,8 @@ class WorkerEngine:
         self.config = self.loaded.config
         self.pool = KVPool(self.config, num_pages, page_size, self.loaded.device, self.loaded.dtype)
         self.runner = ModelRunner(self.loaded.model, self.pool)
-        self.sampler = Sampler()
+        self.grammars = _grammar_registry(model_path, self.loaded, self.config.vocab_size)
+        self.sampler = Sampler(self.grammars)
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.faults = faults or Faults()
         self._fault_rng = random.Random(self.faults.fault_seed)  # fail_forward draws: repeatable
@@ -58,6 +65,23 @@ class WorkerEngine:
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run one forward (fn) on the engine thread; the event loop keeps serving meanwhile."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._forward, fn, args)
+
+    def check_grammar(self, params: SamplingParams) -> None:
+        """Compile a request's grammar before it queues, so a bad one is INVALID_ARGUMENT at once
+        (ValueError) rather than a failed forward later."""
+        if params.grammar is None:
+            return
+        if self.grammars is None:
+            raise ValueError("this worker cannot serve structured output (its tokenizer did not load)")
+        try:
+            self.grammars.compile(params.grammar)
+        except (GrammarError, ValueError) as e:
+            raise ValueError(f"invalid grammar: {e}") from None
+
+    def forget_room(self, room: int) -> None:
+        """The room's per-request engine state (its grammar matcher) is no longer needed."""
+        if self.grammars is not None:
+            self.grammars.forget(room)
 
     def forward_age(self) -> float:
         """Seconds the current forward has been running on the engine thread; 0 when idle."""
@@ -102,3 +126,15 @@ class WorkerEngine:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _grammar_registry(model_path: str, loaded: LoadedModel, vocab_size: int) -> GrammarRegistry | None:
+    """Structured output needs the tokenizer's bytes per token; a worker whose tokenizer cannot
+    load still serves everything else (and refuses grammars with a clear message)."""
+    try:
+        tokenizer = load_tokenizer(loaded.path or model_path)
+        folder = pathlib.Path(loaded.path) if loaded.path else None
+        return GrammarRegistry(build_tokenizer(tokenizer, folder, vocab_size), vocab_size)
+    except Exception:  # noqa: BLE001 - logged, and the worker serves without grammars
+        log.exception("structured output disabled: the tokenizer did not load")
+        return None

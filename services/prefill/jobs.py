@@ -46,6 +46,7 @@ class PrefillResult:
     prompt_tokens: int
     kv_bytes: int
     kv_transfer_seconds: float
+    first_top: list[tuple[int, float]] | None = None  # top_logprobs alternatives of the first token
 
 
 @dataclass(eq=False)
@@ -61,6 +62,7 @@ class Job:
     prefilled: int = 0  # prompt tokens whose KV is computed
     first_token: int = -1
     first_logprob: float = 0.0
+    first_top: list[tuple[int, float]] | None = None
 
     @property
     def finished(self) -> bool:

@@ -9,7 +9,7 @@ import grpc
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.logging_setup import bound_room, get_logger
-from services.common.wire import parse_request
+from services.common.wire import parse_request, top_logprobs_pb
 from services.prefill.worker import PrefillWorker, RoomFailed
 from services.transfer.state import DuplicateRoom
 
@@ -27,6 +27,7 @@ class PrefillServicer(wpb_grpc.PrefillServicer):
             pool = self.worker.engine.pool
             try:
                 params = parse_request(request.params, ids, self.worker.engine.config)
+                self.worker.engine.check_grammar(params)
                 if not pool.can_ever_hold(len(ids)):
                     raise ValueError(f"prompt of {len(ids)} tokens needs more KV pages than this worker has")
             except ValueError as e:
@@ -53,6 +54,7 @@ class PrefillServicer(wpb_grpc.PrefillServicer):
                 prompt_tokens=result.prompt_tokens,
                 kv_bytes=result.kv_bytes,
                 kv_transfer_seconds=result.kv_transfer_seconds,
+                first_top_logprobs=top_logprobs_pb([result.first_top])[0] if result.first_top else None,
             )
 
     async def Abort(self, request, context):

@@ -169,7 +169,8 @@ class PrefillWorker:
             seconds = (r.done_at or time.monotonic()) - (r.posted_at or time.monotonic())
             self.metrics.observe(self.metrics.kv_transfer_latency, seconds)
             self.metrics.observe(self.metrics.kv_transfer_bytes, r.nbytes)
-            self.finish(job, PrefillResult(job.first_token, job.first_logprob, len(job.token_ids), r.nbytes, seconds))
+            self.finish(job, PrefillResult(job.first_token, job.first_logprob, len(job.token_ids), r.nbytes, seconds,
+                                           job.first_top))
         else:
             self.finish(job, RoomFailed(reason or "failed"))
 
@@ -208,24 +209,25 @@ class PrefillWorker:
         finals = [i for i, (j, n) in enumerate(batch) if n == j.remaining]
         params = [batch[i][0].params for i in finals]
         positions = [len(batch[i][0].token_ids) for i in finals]
-        histories = [(batch[i][0].token_ids, ()) for i in finals]  # for penalties / logit_bias / min_tokens
+        histories = [(batch[i][0].token_ids, ()) for i in finals]  # for penalties / logit_bias / min_tokens / grammar
         engine = self.engine
 
         def forward():
             logits = engine.runner.prefill(items)
-            return engine.sampler.sample(logits[finals], params, positions, histories) if finals else ([], [])
+            # one token per request here: its grammar matcher is built from the ids, not cached
+            return engine.sampler.sample_full(logits[finals], params, positions, histories) if finals else ([], [], [])
 
         self._forward = [j for j, _ in batch]
         for j in self._forward:
             j.phase = Phase.FORWARD
         error: Exception | None = None
         try:
-            tokens, logprobs = await engine.run(forward)
+            tokens, logprobs, tops = await engine.run(forward)
         except Exception as e:  # noqa: BLE001 - a failed forward fails its rooms, not the worker
             log.exception("prefill forward failed", rooms=[j.room for j, _ in batch])
-            error, tokens, logprobs = e, [], []
+            error, tokens, logprobs, tops = e, [], [], []
         self._forward = []
-        sampled = dict(zip(finals, zip(tokens, logprobs, strict=True), strict=False))
+        sampled = dict(zip(finals, zip(tokens, logprobs, tops, strict=True), strict=False))
         for i, (job, n) in enumerate(batch):
             if job.finished:  # aborted, evicted or timed out mid-forward: its release waited for us
                 self._release(job)
@@ -236,7 +238,7 @@ class PrefillWorker:
             else:
                 job.prefilled += n
                 if i in sampled:
-                    job.first_token, job.first_logprob = sampled[i]
+                    job.first_token, job.first_logprob, job.first_top = sampled[i]
                     job.phase = Phase.INFLIGHT
                     self.sender.send(job.room, job.pages, job.first_token, job.first_logprob)
                 else:

@@ -35,6 +35,8 @@ from services.common.logging_setup import get_logger
 from services.router.pool import Worker, WorkerPool
 
 log = get_logger("router.attempt")
+# how long the first token waits for prefill's reply to report its top_logprobs alternatives
+FIRST_TOP_WAIT_S = 2.0
 
 
 @dataclass
@@ -42,6 +44,8 @@ class Chunk:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "", "stop" or "length"
+    # per token, the top_logprobs alternatives [(id, logprob)], most likely first; None: not asked for
+    top: list[list[tuple[int, float]]] | None = None
 
 
 class WorkerFailure(Exception):
@@ -79,6 +83,7 @@ class Attempt:
         self.pool, self._reap = pool, reap
         self.prefill, self.decode, self.room = prefill, decode, room
         self.deadline, self.stall_timeout = deadline, stall_timeout
+        self.top_logprobs = params.top_logprobs
         loop = asyncio.get_running_loop()
         timeout = max(0.001, deadline - loop.time())
         self._prefill_call = None if prefill is None else prefill.stub.Prefill(
@@ -142,8 +147,13 @@ class Attempt:
                 self._last_heard = loop.time()
                 if not msg.token_ids and not msg.finish_reason:
                     continue  # a keep-alive: decode holds the room and is alive
-                self.got_first = True
-                return Chunk(list(msg.token_ids), list(msg.logprobs), msg.finish_reason)
+                first, self.got_first = not self.got_first, True
+                chunk = Chunk(list(msg.token_ids), list(msg.logprobs), msg.finish_reason)
+                if self.top_logprobs:
+                    chunk.top = [list(zip(t.token_ids, t.logprobs, strict=True)) for t in msg.top_logprobs]
+                    if first and len(chunk.top) < len(chunk.token_ids):
+                        chunk.top.insert(0, await self._first_top())
+                return chunk
             if self._ejected.done():
                 if self.decode in self._down or not self.got_first:
                     worker = self.decode if self.decode in self._down else self.prefill
@@ -159,6 +169,19 @@ class Attempt:
                 # prefill replied; decode's first token is on its way (the stall clock still runs)
             if loop.time() >= stall_at:
                 raise WorkerFailure(self.decode, None, f"no chunk for {self.stall_timeout:g} s", kind="stalled")
+
+    async def _first_top(self) -> list[tuple[int, float]]:
+        """The first token's alternatives: prefill sampled it and reports them in its reply, which
+        follows the KV transfer decode just saw end. Waits briefly for it; without it the first
+        token lists no alternatives rather than holding the stream."""
+        if self._prefill_call is None:
+            return []
+        try:
+            reply = await asyncio.wait_for(asyncio.shield(self._prefill_task), FIRST_TOP_WAIT_S)
+        except (TimeoutError, asyncio.CancelledError, grpc.aio.AioRpcError):
+            return []
+        top = reply.first_top_logprobs if reply is not None else None
+        return list(zip(top.token_ids, top.logprobs, strict=True)) if top is not None else []
 
     def _prefill_failure(self) -> WorkerFailure | None:
         task = self._prefill_task

@@ -14,6 +14,7 @@ from typing import Any
 
 from services.common.tokenizer import ChatTemplateError, Tokenizer
 from services.router.errors import bad_request, invalid_type, model_not_found
+from services.router.structured import structured_output
 from services.router.tools import ToolRequest, check_tool_fields, parse_tools
 
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM any. A bound keeps stop matching cheap.
@@ -150,14 +151,6 @@ def _check_unsupported(body: dict) -> None:
     if best_of is not None and best_of != n:
         raise bad_request("'best_of' is not supported (only best_of equal to n).", param="best_of",
                           code="unsupported_value")
-    fmt = body.get("response_format")
-    if fmt is not None:
-        if not isinstance(fmt, dict):
-            raise invalid_type("response_format", "an object", fmt)
-        if fmt.get("type", "text") != "text":
-            raise bad_request(
-                "Only response_format type 'text' is supported.", param="response_format", code="unsupported_value"
-            )
 
 
 INT32_MAX = (1 << 31) - 1  # top_k is an int32 on the wire
@@ -365,6 +358,7 @@ def parse_completion(body: Any, info: ModelInfo) -> GenerateSpec:
     echo = get_bool(body, "echo", False)
     ignore_eos = get_bool(body, "ignore_eos", False)
     skip_special = get_bool(body, "skip_special_tokens", True)
+    kw["grammar"] = structured_output(body, ignore_eos)
     if echo and logprobs is not None:
         raise bad_request("'echo' together with 'logprobs' is not supported.", param="echo", code="unsupported_value")
     ids, text = completion_prompt(body, info.tokenizer)
@@ -483,6 +477,16 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerateSpec:
         )
     ignore_eos = get_bool(body, "ignore_eos", False)
     skip_special = get_bool(body, "skip_special_tokens", True)
+    kw["grammar"] = structured_output(body, ignore_eos)
+    if tools is not None and tools.grammar is not None:
+        if kw["grammar"] is not None:
+            raise bad_request("Structured output (response_format, structured_outputs, guided_*) cannot be combined "
+                              "with a forced tool call (tool_choice 'required' or a named function): both constrain "
+                              "the whole reply.", param="tool_choice", code="invalid_value")
+        if ignore_eos:
+            raise bad_request("'ignore_eos' cannot be combined with a forced tool call: the grammar ends the output.",
+                              param="ignore_eos", code="unsupported_value")
+        kw["grammar"] = tools.grammar
     ids = chat_prompt(body, info.tokenizer, tools)
     _check_ids(ids, info.tokenizer.vocab_size, "messages")
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), len(ids), info, None, "messages")
@@ -499,7 +503,6 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerateSpec:
         include_usage=include_usage,
         logprobs=(top_logprobs or 0) if want_logprobs else None,
         skip_special_tokens=skip_special,
-        grammar=tools.grammar if tools else None,
         tool_parser=tools.parser if tools else None,
         **kw,
     )

@@ -22,6 +22,8 @@ from services.router.output import OutputText, TokenStrings
 from services.router.protocol import GenerateSpec
 from services.router.tool_parsers import ToolFormat, get_format
 
+# (token id, logprob, text offset, top_logprobs alternatives or None) of one generated token
+Entry = tuple[int, float, int, list[tuple[int, float]] | None]
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 
 
@@ -41,7 +43,7 @@ class ResponseState:
         self.out = OutputText(tokenizer, spec.prompt_ids, spec.stop, spec.skip_special_tokens)
         self.completion_tokens = 0
         self.finish_reason: str | None = None
-        self.entries: list[tuple[int, float, int]] = []  # (token, logprob, text offset) for the body
+        self.entries: list[Entry] = []  # for the body
         self._echo_pending = spec.echo
         self.tool_format: ToolFormat | None = (
             get_format(spec.tool_parser) if spec.kind == "chat" and spec.tool_parser else None)
@@ -56,10 +58,10 @@ class ResponseState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def feed(self, chunk: Chunk) -> tuple[str, list[tuple[int, float, int]]]:
+    def feed(self, chunk: Chunk) -> tuple[str, list[Entry]]:
         """New text and logprob entries from one chunk; sets finish_reason when it ends the output."""
         texts: list[str] = []
-        entries: list[tuple[int, float, int]] = []
+        entries: list[Entry] = []
         n = len(chunk.token_ids)
         for i, token in enumerate(chunk.token_ids):
             self.completion_tokens += 1
@@ -69,7 +71,8 @@ class ResponseState:
                 texts.append(self.out.add(token))
             if self.spec.logprobs is not None:
                 lp = chunk.logprobs[i] if i < len(chunk.logprobs) else float("nan")
-                entries.append((token, lp, offset))
+                top = chunk.top[i] if chunk.top is not None and i < len(chunk.top) else None
+                entries.append((token, lp, offset, top))
             if self.out.stopped:
                 self.finish_reason = "stop"
                 break
@@ -107,24 +110,35 @@ class ResponseState:
     def _completion_logprobs(self, entries) -> dict[str, Any] | None:
         if self.spec.logprobs is None:
             return None
-        tokens = [self.token_strings.get(t)[0] for t, _, _ in entries]
-        lps = [_lp(lp) for _, lp, _ in entries]
+        tokens = [self.token_strings.get(t)[0] for t, _, _, _ in entries]
+        lps = [_lp(lp) for _, lp, _, _ in entries]
+        tops = None
+        if self.spec.logprobs > 0:
+            # OpenAI's legacy shape: a dict per position, keyed by token text; the chosen token is
+            # always in it (vLLM's rule), even when it is not among the k most likely
+            tops = []
+            for (_, lp, _, top), text in zip(entries, tokens, strict=True):
+                alternatives = {self.token_strings.get(t)[0]: _lp(v) for t, v in top or []}
+                alternatives.setdefault(text, _lp(lp))
+                tops.append(alternatives)
         return {
             "tokens": tokens,
             "token_logprobs": lps,
-            # only the chosen token is known; it is the only entry of each top_logprobs dict
-            "top_logprobs": [{s: lp} for s, lp in zip(tokens, lps, strict=True)] if self.spec.logprobs > 0 else None,
-            "text_offset": [o for _, _, o in entries],
+            "top_logprobs": tops,
+            "text_offset": [o for _, _, o, _ in entries],
         }
 
     def _chat_logprobs(self, entries) -> dict[str, Any] | None:
         if self.spec.logprobs is None:
             return None
         content = []
-        for token, lp, _ in entries:
+        for token, lp, _, top in entries:
             text, raw = self.token_strings.get(token)
-            one = {"token": text, "logprob": _lp(lp), "bytes": raw}
-            content.append({**one, "top_logprobs": [dict(one)] if self.spec.logprobs > 0 else []})
+            alternatives = []
+            for t, v in (top or [])[: self.spec.logprobs]:
+                t_text, t_raw = self.token_strings.get(t)
+                alternatives.append({"token": t_text, "logprob": _lp(v), "bytes": t_raw})
+            content.append({"token": text, "logprob": _lp(lp), "bytes": raw, "top_logprobs": alternatives})
         return {"content": content, "refusal": None}
 
     # --- bodies -------------------------------------------------------------------------------

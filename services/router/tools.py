@@ -167,19 +167,9 @@ def parse_tools(body: dict, parser: str | None) -> ToolRequest | None:
             "send tool_choice 'none'.", param="tools", code="unsupported_value")
     grammar = None
     if choice in ("required", "function"):
-        fmt = response_format_type(body)
-        if fmt not in (None, "text"):
-            raise bad_request(
-                f"'response_format' {fmt!r} cannot be combined with a forced tool call (tool_choice 'required' or "
-                "a named function): both constrain the whole reply.", param="response_format", code="invalid_value")
         chosen = [t for t in tools if t.name == forced] if forced else tools
         grammar = ("lark", tool_grammar(parser, chosen, parallel=parallel and choice == "required"))
     return ToolRequest(raw, choice, forced, parallel, parser, grammar)
-
-
-def response_format_type(body: dict) -> str | None:
-    fmt = body.get("response_format")
-    return fmt.get("type", "text") if isinstance(fmt, dict) else None
 
 
 # --- the grammar of a forced call ------------------------------------------------------------

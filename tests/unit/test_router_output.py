@@ -111,7 +111,7 @@ def test_response_state_counts_and_hides_the_stop_token():
     assert body["choices"][0]["text"] == "hi"
     lp = body["choices"][0]["logprobs"]
     assert lp["token_logprobs"] == [-0.1, -0.2, -0.3] and lp["tokens"][:2] == ["h", "i"]
-    assert lp["top_logprobs"][0] == {"h": -0.1} and lp["text_offset"] == [0, 1, 2]
+    assert lp["top_logprobs"][0] == {"h": -0.1} and lp["text_offset"] == [0, 1, 2]  # the chosen token only
 
 
 def test_response_state_stop_token_id_that_is_plain_text_is_hidden():
@@ -135,7 +135,20 @@ def test_chat_logprobs_shape_and_nonfinite_clamped():
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "é", "refusal": None}
     content = body["choices"][0]["logprobs"]["content"]
     assert content[0]["logprob"] == -9999.0 and content[0]["bytes"] == [0xC3]
-    assert content[1]["top_logprobs"] == [{"token": content[1]["token"], "logprob": -1.0, "bytes": [0xA9]}]
+    assert content[1]["top_logprobs"] == []  # the workers sent no alternatives
+
+
+def test_top_logprobs_alternatives_chat_and_completions():
+    top = [[(ord("a"), -0.1), (ord("b"), -2.5)], [(ord("c"), -0.3), (ord("d"), -1.5)]]
+    state = ResponseState(spec(kind="chat", logprobs=2), TOK, TokenStrings(TOK), "r")
+    state.feed(Chunk([ord("a"), ord("d")], [-0.1, -1.5], "length", top))
+    content = state.body()["choices"][0]["logprobs"]["content"]
+    assert [[t["token"] for t in c["top_logprobs"]] for c in content] == [["a", "b"], ["c", "d"]]
+    assert content[1]["top_logprobs"][1] == {"token": "d", "logprob": -1.5, "bytes": [ord("d")]}
+    state = ResponseState(spec(logprobs=1), TOK, TokenStrings(TOK), "r")
+    state.feed(Chunk([ord("a"), ord("d")], [-0.1, -1.5], "length", [t[:1] for t in top]))
+    # completions: a dict per position that always holds the chosen token (vLLM's rule)
+    assert state.body()["choices"][0]["logprobs"]["top_logprobs"] == [{"a": -0.1}, {"c": -0.3, "d": -1.5}]
 
 
 def test_echo_prepends_prompt_once():

@@ -155,7 +155,6 @@ def test_echo():
         ({"logit_bias": {"1": "5"}}, "logit_bias"),
         ({"min_tokens": -1}, "min_tokens"),
         ({"min_tokens": 17}, "min_tokens"),  # more than max_tokens (16)
-        ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"suffix": "abc"}, "suffix"),
         ({"echo": True, "logprobs": 1}, "echo"),
         ({"ignore_eos": 1}, "ignore_eos"),

@@ -463,7 +463,7 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerateSpec:
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
     model = _check_model(body, info)
     _check_unsupported(body)
-    tools = parse_tools(body, info.tool_parser)
+    tools = parse_tools(body, info.tool_parser, info.tokenizer)
     kw: dict[str, Any] = {}
     _sampling(body, kw)
     _controls(body, info.tokenizer.vocab_size, kw)

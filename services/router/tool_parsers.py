@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 PYTHON_TAG = "<|python_tag|>"
@@ -310,8 +310,10 @@ class ToolFormat:
     def stream(self) -> ToolStream:
         raise NotImplementedError
 
-    def call_text(self, name: str, args_rule: str) -> str:
-        """A Lark expression for one call of `name` whose arguments are the rule `args_rule`."""
+    def call_text(self, name: str, args_rule: str, marker: Callable[[str], str] = json.dumps) -> str:
+        """A Lark expression for one call of `name` whose arguments are the rule `args_rule`;
+        `marker` spells a marker such as <tool_call> in Lark (a token reference when the
+        tokenizer has it as one token: llguidance matches added tokens only as tokens)."""
         raise NotImplementedError
 
     def calls_rule(self, call_rule: str, parallel: bool) -> str:
@@ -415,9 +417,9 @@ class HermesFormat(ToolFormat):
     def stream(self) -> ToolStream:
         return HermesStream(self)
 
-    def call_text(self, name: str, args_rule: str) -> str:
-        head = self.START + "\n" + json.dumps({"name": name})[:-1] + ', "arguments": '
-        return f"{_lark(head)} {args_rule} {_lark('}' + chr(10) + self.END)}"
+    def call_text(self, name: str, args_rule: str, marker: Callable[[str], str] = json.dumps) -> str:
+        head = "\n" + json.dumps({"name": name})[:-1] + ', "arguments": '
+        return f"{marker(self.START)} {_lark(head)} {args_rule} {_lark('}' + chr(10))} {marker(self.END)}"
 
     def calls_rule(self, call_rule: str, parallel: bool) -> str:
         return f'{call_rule} ("\\n" {call_rule})*' if parallel else call_rule
@@ -543,7 +545,7 @@ class Llama3JsonFormat(ToolFormat):
     def stream(self) -> ToolStream:
         return Llama3JsonStream(self)
 
-    def call_text(self, name: str, args_rule: str) -> str:
+    def call_text(self, name: str, args_rule: str, marker: Callable[[str], str] = json.dumps) -> str:
         head = json.dumps({"name": name})[:-1] + ', "parameters": '
         return f"{_lark(head)} {args_rule} \"}}\""
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from services.common.grammar_spec import validate
+from services.common.tokenizer import Tokenizer
 from services.router.errors import bad_request, invalid_type
 from services.router.tool_parsers import get_format
 
@@ -124,9 +127,9 @@ def _parse_choice(body: dict, names: list[str]) -> tuple[str, str | None]:
     return "function", name
 
 
-def parse_tools(body: dict, parser: str | None) -> ToolRequest | None:
+def parse_tools(body: dict, parser: str | None, tokenizer: Tokenizer | None = None) -> ToolRequest | None:
     """The request's tools, or None when it has none. `parser`: the served model's tool-call
-    format (None when its chat template shows none)."""
+    format (None when its chat template shows none); `tokenizer`: the model's, for the grammar."""
     raw = body.get("tools")
     if raw is not None and not isinstance(raw, list):
         raise invalid_type("tools", "an array", raw)
@@ -168,7 +171,8 @@ def parse_tools(body: dict, parser: str | None) -> ToolRequest | None:
     grammar = None
     if choice in ("required", "function"):
         chosen = [t for t in tools if t.name == forced] if forced else tools
-        grammar = ("lark", tool_grammar(parser, chosen, parallel=parallel and choice == "required"))
+        grammar = ("lark", tool_grammar(parser, chosen, parallel=parallel and choice == "required",
+                                        tokenizer=tokenizer))
     return ToolRequest(raw, choice, forced, parallel, parser, grammar)
 
 
@@ -181,25 +185,37 @@ def _arguments_schema(tool: Tool) -> dict[str, Any]:
     return schema
 
 
-def tool_grammar(parser: str, tools: list[Tool], parallel: bool) -> str:
+def marker_term(tokenizer: Tokenizer | None) -> Callable[[str], str]:
+    """How a grammar spells a format's marker (<tool_call>): `<[id]>` when the tokenizer has it
+    as one token, else a string. llguidance treats every added token of a tokenizer.json as
+    atomic, special or not, so the string "<tool_call>" would never match the model's token."""
+    def term(text: str) -> str:
+        if tokenizer is not None:
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if len(ids) == 1 and tokenizer.decode(ids, skip_special_tokens=False) == text:
+                return f"<[{ids[0]}]>"
+        return json.dumps(text)
+    return term
+
+
+def tool_grammar(parser: str, tools: list[Tool], parallel: bool, tokenizer: Tokenizer | None = None) -> str:
     """A Lark grammar (llguidance's dialect) for a reply that is one call of one of `tools` — or,
     with `parallel`, one or more — in the format `parser`, each call's arguments following its
     function's parameters schema. Raises a 400 when a schema cannot be compiled."""
-    import llguidance  # late: only forced calls need it
-
     fmt = get_format(parser)
+    marker = marker_term(tokenizer)
     lines = []
     for k, tool in enumerate(tools):
         schema = _arguments_schema(tool)
-        error = llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("json_schema", json.dumps(schema)))
+        error = validate("json_schema", json.dumps(schema))
         if error:
             raise bad_request(f"The parameters schema of function '{tool.name}' cannot be enforced: {error.strip()}",
                               param="tools", code="invalid_value")
-        lines.append(f"call_{k}: {fmt.call_text(tool.name, f'args_{k}')}")
+        lines.append(f"call_{k}: {fmt.call_text(tool.name, f'args_{k}', marker)}")
         lines.append(f"args_{k}: %json {json.dumps(schema)}")
     lines.append("call: " + " | ".join(f"call_{k}" for k in range(len(tools))))
     source = "\n".join([f"start: {fmt.calls_rule('call', parallel)}", *lines]) + "\n"
-    error = llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("lark", source))
+    error = validate("lark", source)
     if error:  # each schema compiled alone: a fault of ours, said plainly rather than a 500 later
         raise bad_request(f"The tool-call grammar does not compile: {error.strip()}", param="tools",
                           code="invalid_value")

@@ -130,6 +130,10 @@ def _parse_choice(body: dict, names: list[str]) -> tuple[str, str | None]:
 def parse_tools(body: dict, parser: str | None, tokenizer: Tokenizer | None = None) -> ToolRequest | None:
     """The request's tools, or None when it has none. `parser`: the served model's tool-call
     format (None when its chat template shows none); `tokenizer`: the model's, for the grammar."""
+    for old in ("functions", "function_call"):
+        if body.get(old) is not None:
+            raise bad_request(f"The deprecated '{old}' parameter is not supported; send 'tools' and 'tool_choice'.",
+                              param=old, code="unsupported_value")
     raw = body.get("tools")
     if raw is not None and not isinstance(raw, list):
         raise invalid_type("tools", "an array", raw)

@@ -114,6 +114,8 @@ def test_parser_is_detected_from_the_template_or_named(tok):
     (dict(tool_choice="required"), "tool_choice", "invalid_value"),  # without tools
     (dict(tool_choice={"type": "function", "function": {"name": "ping"}}), "tool_choice", "invalid_value"),
     (dict(parallel_tool_calls=False), "parallel_tool_calls", "invalid_value"),
+    (dict(functions=[{"name": "f"}]), "functions", "unsupported_value"),  # the deprecated spelling
+    (dict(tools=TOOLS, function_call="auto"), "function_call", "unsupported_value"),
     (dict(tools=TOOLS, parallel_tool_calls="no"), "parallel_tool_calls", "invalid_type"),
     # both constrain the whole reply
     (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "tool_choice",

@@ -28,6 +28,25 @@ class StreamOptions(_Body):
     include_usage: bool | None = None
 
 
+class JsonSchemaFormat(_Body):
+    name: str = Field(min_length=1)
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="Without one: any JSON")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(None, description="Required when type is 'json_schema'")
+
+
+class StructuredOutputs(_Body):
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="A JSON schema")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = Field(None, description="Lark, llguidance's dialect")
+
+
 class _Sampling(_Body):
     model: str = Field(description="The served model name (see GET /v1/models)")
     max_tokens: int | None = Field(None, ge=1, description="Tokens to generate (prompt + max_tokens ≤ context)")
@@ -50,6 +69,12 @@ class _Sampling(_Body):
                                              description="vLLM extension; over prompt + generated tokens")
     logit_bias: dict[str, float] | None = Field(None, description="Token id -> bias in [-100, 100], added to the logits")
     min_tokens: int | None = Field(None, ge=0, description="vLLM extension; stop tokens are held back until then")
+    response_format: ResponseFormat | None = Field(None, description="Structured output (JSON); one constraint per request")
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM extension: one of json, regex, choice, grammar")
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM extension (older spelling)")
+    guided_regex: str | None = Field(None, description="vLLM extension (older spelling)")
+    guided_choice: list[str] | None = Field(None, description="vLLM extension (older spelling)")
+    guided_grammar: str | None = Field(None, description="vLLM extension (older spelling); Lark, llguidance's dialect")
     user: str | None = None
 
 
@@ -108,16 +133,11 @@ class NamedToolChoice(_Body):
     function: FunctionName
 
 
-class ResponseFormat(_Body):
-    type: Literal["text", "json_object", "json_schema"] = Field(description="Only 'text' is supported")
-
-
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
     tools: list[Tool] | None = Field(
         None, min_length=1, max_length=MAX_TOOLS,
         description="Functions the model may call, rendered through the chat template; the reply's calls come "

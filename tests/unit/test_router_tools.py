@@ -316,3 +316,61 @@ def test_sse_deltas(info, tok):
     assert json.loads("".join(c["function"].get("arguments", "") for c in calls)) == {"city": "Paris", "days": 2}
     assert payloads[-1]["finish_reason"] == "tool_calls"
     assert all(p["finish_reason"] is None for p in payloads[:-1])
+
+
+# --- a Llama 3.1-style template: llama3_json ------------------------------------------------------
+
+# Written for this test in the manner of Llama 3.1's JSON tool calling: tools in the first user
+# turn, calls as {"name", "parameters"}, results in an "ipython" turn.
+LLAMA31_TOOLS_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{%- if message.role == 'user' and loop.first and tools %}"
+    "{{- '<|start_header_id|>user<|end_header_id|>\\n\\nGiven the following functions, respond with a JSON for a '"
+    " + 'function call. Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name '"
+    " + 'and its value}.\\n\\n' }}{%- for t in tools %}{{- t | tojson }}{{- '\\n\\n' }}{%- endfor %}"
+    "{{- message.content + '<|eot_id|>' }}"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}"
+    "{%- set fn = message.tool_calls[0].function %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n{\"name\": \"' + fn.name + '\", \"parameters\": ' }}"
+    "{{- fn.arguments | tojson }}{{- '}<|eot_id|>' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + message.content + '<|eot_id|>' }}"
+    "{%- else %}{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + message.content + '<|eot_id|>' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory) -> Path:
+    from tests.unit.test_tokenizer import build_llama3_folder
+
+    folder = build_llama3_folder(tmp_path_factory.mktemp("llama31") / "m")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = LLAMA31_TOOLS_TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_llama31_template_end_to_end_in_the_router(llama_folder):
+    tok = load_tokenizer(str(llama_folder))
+    assert tool_parser("auto", tok) == "llama3_json"
+    info = ModelInfo(name="m", tokenizer=tok, context_length=4096, tool_parser="llama3_json")
+    messages = [*MSGS, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Lima"}'}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "cloudy"}]
+    spec = parse_chat({"model": "m", "messages": messages, "tools": TOOLS, "max_tokens": 64,
+                       "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, info)
+    text = tok.decode(spec.prompt_ids, skip_special_tokens=False)
+    assert '{"name": "get_weather", "parameters": {"city": "Lima"}}' in text and "ipython" in text
+    lltok = llguidance.LLTokenizer((llama_folder / "tokenizer.json").read_text(), n_vocab=tok.vocab_size,
+                                   eos_token=tok.eos_token_ids)
+    reply = '{"name": "get_weather", "parameters": {"city": "Paris", "days": 1}}'
+    assert accepts(lltok, tok, spec.grammar, reply)
+    assert not accepts(lltok, tok, spec.grammar, '{"name": "ping", "parameters": {}}')
+    state = ResponseState(spec, tok, TokenStrings(tok), "r")
+    feed_all(state, tok, reply)
+    choice = state.body()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather",
+                                                               "arguments": '{"city": "Paris", "days": 1}'}

@@ -213,7 +213,9 @@ class _Call:
         if name is not None and s.text[name[0]] != '"':
             return True
         args = self._args()
-        return args is not None and args[2] == "scalar"
+        if args is None:
+            return False
+        return args[2] == "scalar" or (args[2] == "container" and s.text[args[0]] != "{")  # not an object
 
     def _args(self) -> tuple[int, int | None, str] | None:
         """(start, end or None while open, kind) of the arguments' value."""

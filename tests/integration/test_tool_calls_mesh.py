@@ -157,6 +157,16 @@ def test_n2_and_a_stop_string_with_a_forced_call(client, model):
     for choice in out.choices:
         assert choice.message.tool_calls and len(choice.message.tool_calls) == 1
         assert_valid_call(choice.message.tool_calls[0])
+    # streamed: each choice's deltas (by choice index, then call index) assemble to its call
+    chunks = list(client.chat.completions.create(
+        model=model, messages=MESSAGES, tools=TOOLS, max_tokens=MAX_TOKENS, seed=21, n=2, temperature=1.0,
+        stream=True, tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    for choice in out.choices:
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        deltas = [tc for c in mine for tc in c.delta.tool_calls or []]
+        assert deltas and {d.index for d in deltas} == {0} and deltas[0].function.name == "get_weather"
+        assert "".join(d.function.arguments or "" for d in deltas) == choice.message.tool_calls[0].function.arguments
+        assert mine[-1].finish_reason == "tool_calls"
     # a stop string that cuts the closing marker: the call is whole all the same
     cut = client.chat.completions.create(
         model=model, messages=MESSAGES, tools=TOOLS, max_tokens=MAX_TOKENS, seed=21, temperature=1.0,

@@ -118,6 +118,7 @@ def test_hermes_stream_equals_whole(text, content, calls):
     '<tool_call>\n{"name": "f", "name": "g", "arguments": {}}\n</tool_call>',  # duplicate key
     '<tool_call>\n{"name": 3, "arguments": {}}\n</tool_call>',  # name not a string
     '<tool_call>\n{"name": "f", "arguments": 5}\n</tool_call>',  # arguments not an object
+    '<tool_call>\n{"arguments": [1, 2], "name": "f"}\n</tool_call>',
     '<tool_call>\n{"name": "f", "arguments": "not json"}\n</tool_call>',
     '<tool_call>\n["f", {}]\n</tool_call>',
     '<tool_call>\n{"name": "f", "arguments": {"a": 1}} trailing\n</tool_call>',
@@ -140,6 +141,7 @@ def test_hermes_malformed_call_next_to_a_good_one():
     '<tool_call>\n{"name": 3, "arguments": {}}\n</tool_call> after',  # malformed before the name is known
     '<tool_call>\n["f"]\n</tool_call>',
     '<tool_call>\n{"extra": 1, "name": "f"}\n</tool_call>',
+    '<tool_call>\n{"arguments": [1], "name": "f"}\n</tool_call>',
 ])
 def test_hermes_stream_gives_back_unannounced_malformed_calls(text):
     for pieces in ([text], list(text), cuts(text, random.Random(1))):

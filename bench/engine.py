@@ -6,7 +6,10 @@ Also our prefill of mixed-length prompts with stacked (padded) attention vs one 
 prompt, in the same run (`mixed_prefill`).
 Also the sampler's cost per token (`sampling`): plain (greedy and top-p) against penalties
 (presence + frequency + repetition, state rebuilt from a 256 + 64 token history) and logit_bias,
-at batch 1 and 32 (`--sampling-only` runs just that part).
+at batch 1 and 32 (`--sampling-only` runs just that part); and a JSON-schema grammar
+(llguidance, each row its own random schema, the matcher advancing by the sampled token as on
+decode) against plain sampling over the same steps, plus the cost of rebuilding a matcher from
+64 generated ids (what a migrated or resumed request pays once).
 Usage: python bench/engine.py [--prompt-len 128] [--new-tokens 32] [--repeats 3] [--sampling-only]
 """
 
@@ -27,6 +30,7 @@ from services.engine.kv_pool import KVPool  # noqa: E402
 from services.engine.loader import load_model  # noqa: E402
 from services.engine.runner import DecodeItem, ModelRunner, PrefillItem  # noqa: E402
 from services.engine.sampler import Sampler  # noqa: E402
+from tests.random_schemas import random_schema  # noqa: E402
 
 
 def to_transformers(loaded):
@@ -157,6 +161,50 @@ def bench_sampling(vocab: int, batch: int, repeats: int, steps: int = 20) -> dic
             "vs_plain": {k: round(v / out["greedy" if k.startswith("greedy") else "top_p"], 2) for k, v in out.items()}}
 
 
+def bench_grammar(loaded, batch: int, repeats: int, steps: int = 64) -> dict:
+    """Microseconds per sampled token: plain vs under a JSON-schema grammar, same random logits."""
+    from services.common.tokenizer import load_tokenizer
+    from services.engine.grammar import GrammarRegistry, build_tokenizer
+
+    vocab = loaded.config.vocab_size
+    registry = GrammarRegistry(build_tokenizer(load_tokenizer(loaded.path), pathlib.Path(loaded.path), vocab), vocab)
+    eos = tuple(loaded.config.eos_token_ids)
+    gen = torch.Generator().manual_seed(0)
+    logits = [torch.randn(batch, vocab, generator=gen) * 3 for _ in range(steps)]
+    prompt = list(range(32))
+    out = {}
+    for name, kw in (("greedy", dict(temperature=0.0)), ("top_p", dict(temperature=0.8, top_p=0.9, seed=1))):
+        for constrained in (False, True):
+            params = [SamplingParams(max_tokens=512, stop_token_ids=eos, **kw,
+                                     grammar=("json_schema", json.dumps(random_schema(i))) if constrained else None)
+                      for i in range(batch)]
+            sampler = Sampler(registry)
+
+            def run(params=params, sampler=sampler):
+                outputs = [[] for _ in range(batch)]
+                for s in range(steps):
+                    tokens, _ = sampler.sample(logits[s], params, [len(prompt) + s] * batch,
+                                               [(prompt, o) for o in outputs], list(range(batch)))
+                    for o, t in zip(outputs, tokens, strict=True):
+                        o.append(t)
+                for i in range(batch):
+                    registry.forget(i)
+
+            run()  # warm-up: compiles each schema once (the compiled grammar is cached)
+            out[f"{name}+json_schema" if constrained else name] = best_of(run, repeats) / (steps * batch) * 1e6
+    schema = ("json_schema", json.dumps(random_schema(0)))
+    ids = []
+    sampler = Sampler(registry)
+    params = [SamplingParams(temperature=0.0, stop_token_ids=eos, grammar=schema)]
+    for s in range(64):  # a valid 64-id output to replay
+        ids.append(sampler.sample(logits[s % steps][:1], params, [s], [(prompt, ids)], ["replay"])[0][0])
+    registry.forget("replay")
+    rebuild = best_of(lambda: registry.allowed_mask(None, schema, ids), repeats * 3) * 1e6
+    return {"batch": batch, "us_per_token": {k: round(v, 1) for k, v in out.items()},
+            "vs_plain": {k: round(v / out[k.split("+")[0]], 2) for k, v in out.items()},
+            "rebuild_from_64_ids_us": round(rebuild, 1)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -168,9 +216,11 @@ def main() -> None:
     torch.manual_seed(0)
     loaded = load_model(None)
     sampling = [bench_sampling(loaded.config.vocab_size, b, args.repeats) for b in (1, 32)]
+    grammar = [bench_grammar(loaded, b, args.repeats) for b in (1, 32)]
     if args.sampling_only:
         print(json.dumps({"bench": "engine", "model": loaded.config.name, "vocab_size": loaded.config.vocab_size,
-                          "torch_threads": torch.get_num_threads(), "sampling": sampling}, indent=2))
+                          "torch_threads": torch.get_num_threads(), "sampling": sampling, "grammar": grammar},
+                         indent=2))
         return
     hf = to_transformers(loaded)
     diff = same_weights_check(loaded, hf)
@@ -200,6 +250,7 @@ def main() -> None:
                 "results": rows,
                 "mixed_prefill": [bench_mixed_prefill(loaded, b, args.repeats) for b in (8, 32)],
                 "sampling": sampling,
+                "grammar": grammar,
             },
             indent=2,
         )

@@ -52,6 +52,7 @@ MODULES = {
     "google.protobuf": "protobuf", "httpx": "httpx", "prometheus_client": "prometheus-client",
     "structlog": "structlog", "fastapi": "fastapi", "uvicorn": "uvicorn", "safetensors": "safetensors",
     "tokenizers": "tokenizers", "jinja2": "jinja2", "yaml": "pyyaml", "transformers": "transformers",
+    "llguidance": "llguidance",
 }
 
 

@@ -9,7 +9,8 @@
 # Env: PIP (default: .venv/bin/pip, else pip3), WHEELHOUSE (default deploy/wheelhouse),
 #      PYTHON_VERSION (the image's Python: 3.11 for debian:bookworm-slim, 3.12 for the
 #      nvidia/cuda ubuntu24.04 base), PLATFORMS (wheel platform tags the
-#      base image's glibc accepts; default manylinux_2_28 down to manylinux2014, x86_64).
+#      base image's glibc accepts; default manylinux_2_31 (llguidance needs it; bookworm has glibc
+#      2.36) down to manylinux2014, x86_64).
 # Idempotent and quick when nothing changed (pip skips wheels already present). Wheels of other
 # versions are removed, so the folder holds one resolution of requirements.txt.
 set -euo pipefail
@@ -17,7 +18,7 @@ cd "$(dirname "$0")/.."
 PIP="${PIP:-$( [ -x .venv/bin/pip ] && echo .venv/bin/pip || echo pip3)}"
 WHEELHOUSE="${WHEELHOUSE:-deploy/wheelhouse}"
 PYTHON_VERSION="${PYTHON_VERSION:-3.11}"
-PLATFORMS="${PLATFORMS:-manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64}"
+PLATFORMS="${PLATFORMS:-manylinux_2_31_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64}"
 target=(--only-binary=:all: --python-version "$PYTHON_VERSION" --implementation cp
         --abi "cp${PYTHON_VERSION/./}" --abi abi3 --abi none)
 for p in $PLATFORMS; do target+=(--platform "$p"); done

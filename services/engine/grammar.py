@@ -82,6 +82,7 @@ class GrammarRegistry:
         self._rooms: collections.OrderedDict[Hashable, _Entry] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.rebuilds = 0  # matchers built from scratch for a room (tests and logs read it)
+        self._shifts = torch.arange(32, dtype=torch.int32)
 
     def compile(self, grammar: tuple[str, str]) -> llguidance.LLMatcher:
         """The grammar's fresh matcher (compiled once, then copied). Raises GrammarError."""
@@ -120,20 +121,28 @@ class GrammarRegistry:
                     self._rooms.popitem(last=False)
         return entry.matcher
 
+    def allowed_masks(self, rows: Sequence[tuple[Hashable | None, tuple[str, str], Sequence[int]]]) -> torch.Tensor:
+        """Bool masks [len(rows), vocab]: per (key, grammar, generated ids), the tokens that keep the
+        output in the grammar. One bitmask for the batch, unpacked in one go. A matcher in error
+        (ids the grammar never allowed, e.g. a client-forced prefix) allows only the end of
+        sequence, so the request ends instead of failing the batch."""
+        bits = llguidance.torch.allocate_token_bitmask(len(rows), self.vocab_size)
+        errors = []
+        for i, (key, grammar, generated) in enumerate(rows):
+            matcher = self._matcher(key, grammar, generated)
+            if matcher.is_error():
+                errors.append(i)
+            else:
+                llguidance.torch.fill_next_token_bitmask(matcher, bits, i)
+        mask = ((bits.unsqueeze(-1) >> self._shifts) & 1).flatten(1)[:, : self.vocab_size].bool()
+        for i in errors:
+            mask[i] = False
+            mask[i, self.tokenizer.eos_tokens] = True
+        return mask
+
     def allowed_mask(self, key: Hashable | None, grammar: tuple[str, str], generated: Sequence[int]) -> torch.Tensor:
-        """Bool mask [vocab]: the tokens that keep the output in the grammar after `generated`.
-        A matcher in error (ids the grammar never allowed, e.g. from a client's forced prefix)
-        allows only the end of sequence, so the request ends instead of failing the batch."""
-        matcher = self._matcher(key, grammar, generated)
-        if matcher.is_error():
-            mask = torch.zeros(self.vocab_size, dtype=torch.bool)
-            mask[self.tokenizer.eos_tokens] = True
-            return mask
-        bits = llguidance.torch.allocate_token_bitmask(1, self.vocab_size)
-        llguidance.torch.fill_next_token_bitmask(matcher, bits, 0)
-        shifts = torch.arange(32, dtype=torch.int32)
-        mask = ((bits[0].unsqueeze(1) >> shifts) & 1).flatten()[: self.vocab_size]
-        return mask.bool()
+        """One row of allowed_masks."""
+        return self.allowed_masks([(key, grammar, generated)])[0]
 
     def forget(self, key: Hashable) -> None:
         with self._lock:

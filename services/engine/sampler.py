@@ -92,15 +92,16 @@ class Sampler:
         logprobs_all = torch.log_softmax(logits, dim=-1)
         greedy_ids = torch.argmax(logits, dim=-1).tolist()
         tokens: list[int] = []
+        allowed = self._grammar_masks(params, histories, keys)
         for i, p in enumerate(params):
             row = logits[i]
             if p.processes_logits:
                 if histories is None:
                     raise ValueError("this request's sampling needs its token history")
-                prompt, output = histories[i]
-                row = logits_processors.process(row, p, prompt, output)
+                if p.has_penalties or p.logit_bias or p.min_tokens:
+                    row = logits_processors.process(row, p, *histories[i])
                 if p.grammar is not None:
-                    row = self._constrain(row, logits[i], p, prompt, output, keys[i] if keys else None)
+                    row = _constrain(row, logits[i], allowed[i])
                 if p.greedy:
                     tokens.append(int(torch.argmax(torch.nan_to_num(row, nan=float("-inf"))).item()))
                     continue
@@ -124,15 +125,28 @@ class Sampler:
                     tops[i] = list(zip(ids[i][: p.top_logprobs], values[i][: p.top_logprobs], strict=True))
         return tokens, logprobs, tops
 
-    def _constrain(self, row, raw, p: SamplingParams, prompt, output, key) -> torch.Tensor:
-        """Mask out what the grammar forbids after the request's generated ids. The grammar wins
-        over the other controls: when they leave nothing it allows (min_tokens holding back the
-        end of a complete JSON value), it samples among the grammar's choices of the raw logits."""
+    def _grammar_masks(self, params, histories, keys) -> dict[int, torch.Tensor]:
+        """Row index -> bool mask of the tokens its grammar allows, for the rows with a grammar."""
+        rows = [i for i, p in enumerate(params) if p.grammar is not None]
+        if not rows:
+            return {}
         if self.grammars is None:
             raise ValueError("this worker serves no structured output (no grammar registry)")
-        _, generated = logits_processors.split_history(prompt, output, p)
-        allowed = self.grammars.allowed_mask(key, p.grammar, generated).to(row.device)
-        masked = row.masked_fill(~allowed, float("-inf"))
-        if not torch.isfinite(masked).any():
-            masked = raw.masked_fill(~allowed, float("-inf"))
-        return masked
+        if histories is None:
+            raise ValueError("this request's sampling needs its token history")
+        specs = []
+        for i in rows:
+            _, generated = logits_processors.split_history(*histories[i], params[i])
+            specs.append((keys[i] if keys else None, params[i].grammar, generated))
+        return dict(zip(rows, self.grammars.allowed_masks(specs), strict=True))
+
+
+def _constrain(row: torch.Tensor, raw: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Mask out what the grammar forbids. The grammar wins over the other controls: when they
+    leave nothing it allows (min_tokens holding back the end of a complete JSON value), sample
+    among the grammar's choices of the raw logits."""
+    allowed = allowed.to(row.device)
+    masked = row.masked_fill(~allowed, float("-inf"))
+    if not torch.isfinite(masked).any():
+        masked = raw.masked_fill(~allowed, float("-inf"))
+    return masked

@@ -78,6 +78,20 @@ def test_parser_is_detected_from_the_template_or_named(tok):
     assert tool_parser("auto", load_tokenizer(None)) is None
 
 
+def test_tool_call_parser_flag(tok, monkeypatch, capsys):
+    from services.common.config import ROUTER_FLAGS, parse_args
+    from services.router.app import RouterSettings
+
+    args = parse_args("router", "", ROUTER_FLAGS, ["--decode", "h:1", "--tool-call-parser", "llama3_json"])
+    assert RouterSettings.from_args(args).tool_call_parser == "llama3_json"
+    assert parse_args("router", "", ROUTER_FLAGS, ["--decode", "h:1"]).tool_call_parser == "auto"
+    monkeypatch.setenv("PDMESH_TOOL_CALL_PARSER", "none")
+    assert parse_args("router", "", ROUTER_FLAGS, ["--decode", "h:1"]).tool_call_parser == "none"
+    with pytest.raises(SystemExit):
+        parse_args("router", "", ROUTER_FLAGS, ["--decode", "h:1", "--tool-call-parser", "mistral"])
+    capsys.readouterr()
+
+
 # --- validation -----------------------------------------------------------------------------------
 
 

@@ -2,7 +2,8 @@
 
 Pure functions over the tokenizer: no I/O, no workers, so every bad input is tested in
 milliseconds. Unknown fields are ignored, as OpenAI does; fields we know but cannot honour
-(best_of, tools with a model whose template shows no tool-call format, ...) are a 400 with a clear message rather than a silent surprise.
+(best_of, tools with a model whose template shows no tool-call format, ...) are a 400 with a
+clear message rather than a silent surprise. Tools: services/router/tools.py.
 """
 
 from __future__ import annotations

@@ -118,6 +118,11 @@ ROUTER_FLAGS = [
          "pd: prefill and decode workers, KV over NIXL; colocated: decode workers only, each computing "
          "the prompt itself (the baseline PD is measured against; --prefill is ignored)",
          choices=("pd", "colocated")),
+    Flag("tool-call-parser", str, "auto",
+         "format of tool calls in the model's replies: hermes (<tool_call> JSON: Hermes, Qwen2.5/3), "
+         "llama3_json (Llama 3.1+ JSON), auto (detected from the chat template) or none (tools only with "
+         "tool_choice none)",
+         choices=("auto", "none", "hermes", "llama3_json")),
     Flag("api-key", str, "", "require 'Authorization: Bearer KEY' when set"),
     Flag("request-timeout", float, 600.0, "seconds after which a request fails with 504"),
     Flag("max-concurrent-requests", int, 256, "requests the router serves at once; beyond it new ones get 429"),

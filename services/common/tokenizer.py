@@ -121,6 +121,11 @@ class Tokenizer(ABC):
         """The template used when no tools are given, or None when the tokenizer has none."""
         return self._chat_templates.get("default")
 
+    @property
+    def tool_chat_template(self) -> str | None:
+        """The template used when tools are given: the "tool_use" one, else the default."""
+        return self._chat_templates.get("tool_use", self._chat_templates.get("default"))
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],

@@ -46,6 +46,7 @@ from services.router.pool import WorkerPool
 from services.router.protocol import GenerateSpec, ModelInfo, parse_chat, parse_completion
 from services.router.render import ResponseState
 from services.router.sse import DONE, ClientDisconnected, SSEResponse, run_until_disconnect, sse_event
+from services.router.tool_parsers import FORMATS, detect_tool_parser
 
 log = get_logger("router")
 
@@ -75,6 +76,7 @@ class RouterSettings:
     policy: str = "round_robin"
     mode: str = "pd"  # "colocated": decode workers only (services/router/attempt.py)
     api_key: str = ""
+    tool_call_parser: str = "auto"  # services/router/tool_parsers.py: auto | none | hermes | llama3_json
     request_timeout: float = 600.0
     max_concurrent_requests: int = 256
     max_body_bytes: int = 8 * 1024 * 1024
@@ -116,6 +118,18 @@ def context_length(model: str) -> int:
     return DEFAULT_CONTEXT_LENGTH
 
 
+def tool_parser(flag: str, tokenizer: Tokenizer) -> str | None:
+    """The tool-call format replies are parsed in: the flag's, or (auto) the one the chat template
+    shows (its tool_use template first); None: tools are refused unless tool_choice is none."""
+    if flag == "none":
+        return None
+    if flag in FORMATS:
+        return flag
+    if flag != "auto":
+        raise ValueError(f"unknown tool-call parser {flag!r}")
+    return detect_tool_parser([tokenizer.tool_chat_template])
+
+
 class Router:
     def __init__(self, settings: RouterSettings, tokenizer: Tokenizer | None = None):
         self.settings = settings
@@ -123,7 +137,7 @@ class Router:
         name = served_name(settings.model, settings.served_model_name)
         aliases = frozenset({settings.model, *(BUILTIN_NAMES[1:] if settings.model in BUILTIN_NAMES else ())}) - {""}
         self.info = ModelInfo(name=name, tokenizer=self.tokenizer, context_length=context_length(settings.model),
-                              aliases=aliases)
+                              aliases=aliases, tool_parser=tool_parser(settings.tool_call_parser, self.tokenizer))
         self.token_strings = TokenStrings(self.tokenizer)
         self.metrics = Metrics("router", name, f"router-{settings.host}-{settings.port}")
         self.metrics.gauge_from("num_running_reqs", lambda: self.active)
@@ -508,6 +522,8 @@ def create_app(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> 
             "created": router.created,
             "owned_by": "pdmesh",
             "max_model_len": router.info.context_length,
+            # pdmesh extension: the format tool calls are parsed in (null: tools only with tool_choice none)
+            "tool_call_parser": router.info.tool_parser,
         }
 
     @app.get("/v1/models")

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
 
 from services.router.protocol import MAX_STOP_LENGTH, MAX_STOP_STRINGS
+from services.router.tools import MAX_TOOLS, NAME_PATTERN
 
 StopStrings = str | list[str]
 
@@ -91,10 +92,45 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str = Field(description="The arguments as a JSON object's text")
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="Calls an assistant made (role assistant only)")
+    tool_call_id: str | None = Field(None, description="Required with role tool: the call this message answers")
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=NAME_PATTERN.pattern)
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        None, description="JSON schema of the arguments, an object (absent: no arguments)")
+    strict: bool | None = Field(None, description="Accepted; forced calls always follow the schema")
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_Sampling):
@@ -102,6 +138,16 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = Field(
+        None, min_length=1, max_length=MAX_TOOLS,
+        description="Functions the model may call, rendered through the chat template; the reply's calls come "
+                    "back as message.tool_calls (GET /v1/models: tool_call_parser names the format; null: "
+                    "tools only with tool_choice 'none')")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="auto (default with tools): free reply, parsed for calls; none: never parsed; required "
+                          "or a named function: enforced by a grammar (one call of it; required: one or more of "
+                          "any tool)")
+    parallel_tool_calls: bool | None = Field(None, description="false: tool_choice required makes exactly one call")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM extension")
     add_generation_prompt: bool | None = Field(None, description="vLLM extension")
 

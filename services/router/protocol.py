@@ -2,7 +2,8 @@
 
 Pure functions over the tokenizer: no I/O, no workers, so every bad input is tested in
 milliseconds. Unknown fields are ignored, as OpenAI does; fields we know but cannot honour
-(best_of, tools, ...) are a 400 with a clear message rather than a silent surprise.
+(best_of, tools with a model whose template shows no tool-call format, ...) are a 400 with a
+clear message rather than a silent surprise. Tools: services/router/tools.py.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 from services.common.tokenizer import ChatTemplateError, Tokenizer
 from services.router.errors import bad_request, invalid_type, model_not_found
 from services.router.structured import structured_output
+from services.router.tools import ToolRequest, check_tool_fields, parse_tools
 
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM any. A bound keeps stop matching cheap.
 # Longest stop string, in characters: holding back a possible partial match costs O(length²)
@@ -37,6 +39,7 @@ class ModelInfo:
     tokenizer: Tokenizer
     context_length: int
     aliases: frozenset[str] = frozenset()  # other accepted spellings, e.g. the --model value
+    tool_parser: str | None = None  # the chat template's tool-call format (services/router/tool_parsers.py)
 
 
 @dataclass
@@ -67,6 +70,8 @@ class GenerateSpec:
     # Structured output (response_format, a forced tool call): (kind, source) as
     # services/common/sampling_params.GRAMMAR_KINDS; the workers constrain every token with it.
     grammar: tuple[str, str] | None = None
+    # The reply's tool-call format when it is parsed for calls (tools given, tool_choice not none).
+    tool_parser: str | None = None
 
     def choice_seed(self, index: int) -> int:
         return (self.seed + index) & UINT64_MASK
@@ -432,11 +437,11 @@ def normalize_chat_messages(messages: Any) -> list[dict[str, Any]]:
         plain["role"] = "system" if role == "developer" else role
         if content is not None:
             plain["content"] = content
-        out.append(plain)
+        out.append(check_tool_fields(plain, where))
     return out
 
 
-def chat_prompt(body: dict, tokenizer: Tokenizer) -> list[int]:
+def chat_prompt(body: dict, tokenizer: Tokenizer, tools: ToolRequest | None = None) -> list[int]:
     messages = normalize_chat_messages(body.get("messages"))
     kwargs = body.get("chat_template_kwargs")
     if kwargs is None:
@@ -447,7 +452,8 @@ def chat_prompt(body: dict, tokenizer: Tokenizer) -> list[int]:
     reserved = {"messages", "tools", "add_generation_prompt", "documents", "chat_template"}
     kwargs = {k: v for k, v in kwargs.items() if k not in reserved}
     try:
-        return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt,
+                                     tools=tools.tools if tools else None, **kwargs)
     except ChatTemplateError as e:
         raise bad_request(f"The chat template rejected the conversation: {e}", param="messages",
                           code="invalid_value") from e
@@ -458,12 +464,7 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerateSpec:
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
     model = _check_model(body, info)
     _check_unsupported(body)
-    tools = body.get("tools")
-    if tools is not None:
-        if not isinstance(tools, list):
-            raise invalid_type("tools", "an array", tools)
-        if tools and body.get("tool_choice", "auto") != "none":
-            raise bad_request("Tool calling is not supported.", param="tools", code="unsupported_value")
+    tools = parse_tools(body, info.tool_parser, info.tokenizer)
     kw: dict[str, Any] = {}
     _sampling(body, kw)
     _controls(body, info.tokenizer.vocab_size, kw)
@@ -478,7 +479,16 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerateSpec:
     ignore_eos = get_bool(body, "ignore_eos", False)
     skip_special = get_bool(body, "skip_special_tokens", True)
     kw["grammar"] = structured_output(body, ignore_eos)
-    ids = chat_prompt(body, info.tokenizer)
+    if tools is not None and tools.grammar is not None:
+        if kw["grammar"] is not None:
+            raise bad_request("Structured output (response_format, structured_outputs, guided_*) cannot be combined "
+                              "with a forced tool call (tool_choice 'required' or a named function): both constrain "
+                              "the whole reply.", param="tool_choice", code="invalid_value")
+        if ignore_eos:
+            raise bad_request("'ignore_eos' cannot be combined with a forced tool call: the grammar ends the output.",
+                              param="ignore_eos", code="unsupported_value")
+        kw["grammar"] = tools.grammar
+    ids = chat_prompt(body, info.tokenizer, tools)
     _check_ids(ids, info.tokenizer.vocab_size, "messages")
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), len(ids), info, None, "messages")
     _check_min_tokens(kw, max_tokens)
@@ -494,5 +504,6 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerateSpec:
         include_usage=include_usage,
         logprobs=(top_logprobs or 0) if want_logprobs else None,
         skip_special_tokens=skip_special,
+        tool_parser=tools.parser if tools else None,
         **kw,
     )

@@ -5,6 +5,9 @@ detokenization + stop strings), the usage counts and the logprobs. It builds exa
 shapes OpenAI returns for /v1/completions and /v1/chat/completions, streaming or not; with
 n > 1 there is one state per choice (`index`), and `body()`/`usage()` take all of them: the
 prompt is counted once and completion tokens are summed, as OpenAI reports usage.
+
+With tools (spec.tool_parser set), a chat reply is parsed for tool calls: as a whole for a JSON
+body, incrementally for a stream (content deltas and tool-call deltas, services/router/tool_parsers.py).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from services.common.tokenizer import Tokenizer
 from services.router.orchestrator import Chunk
 from services.router.output import OutputText, TokenStrings
 from services.router.protocol import GenerateSpec
+from services.router.tool_parsers import ToolFormat, get_format
 
 # (token id, logprob, text offset, top_logprobs alternatives or None) of one generated token
 Entry = tuple[int, float, int, list[tuple[int, float]] | None]
@@ -41,6 +45,10 @@ class ResponseState:
         self.finish_reason: str | None = None
         self.entries: list[Entry] = []  # for the body
         self._echo_pending = spec.echo
+        self.tool_format: ToolFormat | None = (
+            get_format(spec.tool_parser) if spec.kind == "chat" and spec.tool_parser else None)
+        self.tool_stream = self.tool_format.stream() if self.tool_format and spec.stream else None
+        self._tool_deltas: list[dict[str, Any]] = []  # for the next delta_chunk
 
     @property
     def prompt_tokens(self) -> int:
@@ -75,7 +83,14 @@ class ResponseState:
             texts.insert(0, self.spec.echo_text)
             self._echo_pending = False
         self.entries += entries
-        return "".join(texts), entries
+        text = "".join(texts)
+        if self.tool_stream is not None:
+            text, deltas = self.tool_stream.feed(text)
+            if self.finished:
+                more, last = self.tool_stream.finish()
+                text, deltas = text + more, deltas + last
+            self._tool_deltas += deltas
+        return text, entries
 
     @property
     def text(self) -> str:
@@ -128,6 +143,20 @@ class ResponseState:
 
     # --- bodies -------------------------------------------------------------------------------
 
+    def _finish_reason(self, finish_reason: str | None, has_calls: bool) -> str | None:
+        # a reply that ended by itself after making calls ends "for" them (a cut one stays "length")
+        return "tool_calls" if has_calls and finish_reason == "stop" else finish_reason
+
+    def _message(self) -> tuple[dict[str, Any], str | None]:
+        message: dict[str, Any] = {"role": "assistant", "content": self.text, "refusal": None}
+        if self.tool_format is None:
+            return message, self.finish_reason
+        parsed = self.tool_format.parse(self.text)
+        if parsed.calls:
+            message["content"] = parsed.content
+            message["tool_calls"] = [call.to_openai() for call in parsed.calls]
+        return message, self._finish_reason(self.finish_reason, bool(parsed.calls))
+
     def choice(self) -> dict[str, Any]:
         if self.spec.kind == "completion":
             return {
@@ -136,11 +165,12 @@ class ResponseState:
                 "logprobs": self._completion_logprobs(self.entries),
                 "finish_reason": self.finish_reason,
             }
+        message, finish_reason = self._message()
         return {
             "index": self.index,
-            "message": {"role": "assistant", "content": self.text, "refusal": None},
+            "message": message,
             "logprobs": self._chat_logprobs(self.entries),
-            "finish_reason": self.finish_reason,
+            "finish_reason": finish_reason,
         }
 
     def body(self, states: list[ResponseState] | None = None) -> dict[str, Any]:
@@ -177,8 +207,10 @@ class ResponseState:
         )
 
     def delta_chunk(self, text: str, entries, finish_reason: str | None) -> dict[str, Any] | None:
-        """The SSE payload for new text/logprobs (None when there is nothing to say)."""
-        if not text and not entries and finish_reason is None:
+        """The SSE payload for new text/logprobs/tool-call deltas (None when there is nothing to say)."""
+        calls = _merge_tool_deltas(self._tool_deltas)
+        self._tool_deltas = []
+        if not text and not entries and finish_reason is None and not calls:
             return None
         if self.spec.kind == "completion":
             choice = {
@@ -188,9 +220,14 @@ class ResponseState:
                 "finish_reason": finish_reason,
             }
         else:
+            delta: dict[str, Any] = {"content": text} if text or (finish_reason is None and not calls) else {}
+            if calls:
+                delta["tool_calls"] = calls
+            if self.tool_stream is not None:
+                finish_reason = self._finish_reason(finish_reason, self.tool_stream.has_calls)
             choice = {
                 "index": self.index,
-                "delta": {"content": text} if text or finish_reason is None else {},
+                "delta": delta,
                 "logprobs": self._chat_logprobs(entries) if entries else None,
                 "finish_reason": finish_reason,
             }
@@ -200,3 +237,16 @@ class ResponseState:
         obj = self._chunk([])
         obj["usage"] = self.usage(states)
         return obj
+
+
+def _merge_tool_deltas(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per call and chunk: a call's announcement and argument fragments that arrived
+    together go out as one delta (its arguments joined), as OpenAI streams them."""
+    out: list[dict[str, Any]] = []
+    for d in deltas:
+        if out and out[-1]["index"] == d["index"]:
+            fn = out[-1].setdefault("function", {})
+            fn["arguments"] = fn.get("arguments", "") + d.get("function", {}).get("arguments", "")
+        else:
+            out.append({**d, "function": dict(d.get("function", {}))})
+    return out

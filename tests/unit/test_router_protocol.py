@@ -177,7 +177,8 @@ def test_completion_bad_inputs(kw, param):
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
          "messages[0].content[0].type"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),  # the built-in template refuses it
+        ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "c"}]}, "messages"),  # the built-in template refuses it
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"max_tokens": 100}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "x" * 100}]}, "messages"),

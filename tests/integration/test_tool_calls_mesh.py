@@ -1,0 +1,240 @@
+"""Tool calls with the openai SDK through router + prefill + decode processes (issue #13).
+
+The model is a tiny random Qwen2 with a Qwen2.5-style tool-calling chat template
+(tests/hf_checkpoints.py, built offline with transformers): the router detects the `hermes`
+format from the template. A random model never calls a tool by itself, so what is checked is
+what the router and the grammar engine guarantee:
+
+- tool_choice naming a function, streamed and not: the SDK returns one `tool_calls` entry for it
+  whose arguments parse and validate (jsonschema) against the function's parameters;
+- tool_choice required: one call of one of the tools, valid the same way;
+- auto and none: the tools are rendered into the prompt (prompt_tokens), the reply is parsed
+  (auto) or not (none); a conversation with an assistant's tool_calls and tool results renders;
+- n = 2 and a stop string with a forced call.
+
+The forced-call tests need the workers' grammar engine (services/engine/grammar.py): without it
+the random model writes noise and they fail, by design, rather than skip.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.common.tokenizer import load_tokenizer
+from tests.integration.mesh import Mesh
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+SEARCH = {
+    "type": "object",
+    "properties": {
+        "query": {"type": "string", "maxLength": 12},
+        "limit": {"type": "integer", "minimum": 1, "maximum": 20},
+        "exact": {"type": "boolean"},
+    },
+    "required": ["query"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                      "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "search", "description": "Search the web", "parameters": SEARCH}},
+]
+SCHEMAS = {"get_weather": WEATHER, "search": SEARCH}
+MESSAGES = [{"role": "user", "content": "What is the weather like in Paris?"}]
+MAX_TOKENS = 120  # a forced call of these schemas is well under 100 tokens
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    from tests.hf_checkpoints import save_tiny_qwen2_tools
+
+    folder = save_tiny_qwen2_tools(tmp_path_factory.mktemp("ckpt") / "tiny-qwen2-tools")
+    m = Mesh(tmp_path_factory.mktemp("tools-mesh"))
+    try:
+        p = m.start_prefill("--model", str(folder), wait=False)
+        d = m.start_decode("--model", str(folder), wait=False)
+        m.wait_healthy(p)
+        m.wait_healthy(d)
+        r = m.start_router([p], [d], "--model", str(folder), "--request-timeout", "60")
+        yield m, r, folder
+    finally:
+        m.close()
+
+
+@pytest.fixture(scope="module")
+def client(mesh):
+    _, r, _ = mesh
+    return openai.OpenAI(base_url=r.http_url + "/v1", api_key="unused", max_retries=0, timeout=90)
+
+
+@pytest.fixture(scope="module")
+def model(mesh):
+    return mesh[2].name
+
+
+def assert_valid_call(call, names=("get_weather",)):
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name in names, call
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, SCHEMAS[call.function.name])
+    return args
+
+
+def test_model_card_names_the_parser(client, model):
+    card = client.models.retrieve(model)
+    assert card.id == model and card.model_extra["tool_call_parser"] == "hermes"
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_named_function_non_streamed(client, model, seed):
+    out = client.chat.completions.create(
+        model=model, messages=MESSAGES, tools=TOOLS, max_tokens=MAX_TOKENS, seed=seed, temperature=1.0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = out.choices[0]
+    assert choice.message.tool_calls, f"no tool call parsed from {choice.message.content!r}"
+    assert len(choice.message.tool_calls) == 1 and choice.finish_reason == "tool_calls"
+    assert_valid_call(choice.message.tool_calls[0])
+    assert choice.message.content is None
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_named_function_streamed(client, model, seed):
+    kw = dict(model=model, messages=MESSAGES, tools=TOOLS, max_tokens=MAX_TOKENS, seed=seed, temperature=1.0,
+              tool_choice={"type": "function", "function": {"name": "search"}})
+    with client.chat.completions.stream(**kw) as stream:
+        final = stream.get_final_completion()
+    choice = final.choices[0]
+    assert choice.message.tool_calls, f"no tool call streamed; content {choice.message.content!r}"
+    assert len(choice.message.tool_calls) == 1 and choice.finish_reason == "tool_calls"
+    streamed = assert_valid_call(choice.message.tool_calls[0], names=("search",))
+    # the same request, not streamed, gives the same call (same seed, same tokens)
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
+    assert json.loads(whole.function.arguments) == streamed
+    # and the raw chunks are shaped as OpenAI's: id, type and name first, then argument fragments
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].id and deltas[0].type == "function" and deltas[0].function.name == "search"
+    assert all(d.index == 0 and d.id is None and d.function.name is None for d in deltas[1:])
+    assert "".join(d.function.arguments or "" for d in deltas) == whole.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_calls_one_of_the_tools(client, model, stream):
+    kw = dict(model=model, messages=MESSAGES, tools=TOOLS, max_tokens=MAX_TOKENS, seed=11, temperature=1.0,
+              tool_choice="required", parallel_tool_calls=False)
+    if stream:
+        with client.chat.completions.stream(**kw) as s:
+            choice = s.get_final_completion().choices[0]
+    else:
+        choice = client.chat.completions.create(**kw).choices[0]
+    assert choice.message.tool_calls and len(choice.message.tool_calls) == 1, choice.message
+    assert_valid_call(choice.message.tool_calls[0], names=tuple(SCHEMAS))
+    assert choice.finish_reason == "tool_calls"
+
+
+def test_n2_and_a_stop_string_with_a_forced_call(client, model):
+    out = client.chat.completions.create(
+        model=model, messages=MESSAGES, tools=TOOLS, max_tokens=MAX_TOKENS, seed=21, n=2, temperature=1.0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert len(out.choices) == 2
+    for choice in out.choices:
+        assert choice.message.tool_calls and len(choice.message.tool_calls) == 1
+        assert_valid_call(choice.message.tool_calls[0])
+    # streamed: each choice's deltas (by choice index, then call index) assemble to its call
+    chunks = list(client.chat.completions.create(
+        model=model, messages=MESSAGES, tools=TOOLS, max_tokens=MAX_TOKENS, seed=21, n=2, temperature=1.0,
+        stream=True, tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    for choice in out.choices:
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        deltas = [tc for c in mine for tc in c.delta.tool_calls or []]
+        assert deltas and {d.index for d in deltas} == {0} and deltas[0].function.name == "get_weather"
+        assert "".join(d.function.arguments or "" for d in deltas) == choice.message.tool_calls[0].function.arguments
+        assert mine[-1].finish_reason == "tool_calls"
+    # a stop string that cuts the closing marker: the call is whole all the same
+    cut = client.chat.completions.create(
+        model=model, messages=MESSAGES, tools=TOOLS, max_tokens=MAX_TOKENS, seed=21, temperature=1.0,
+        stop=["</tool_call>"], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert cut.choices[0].message.tool_calls and cut.choices[0].finish_reason == "tool_calls"
+    assert json.loads(cut.choices[0].message.tool_calls[0].function.arguments) == json.loads(
+        out.choices[0].message.tool_calls[0].function.arguments)
+
+
+def test_auto_and_none_render_the_tools(mesh, client, model):
+    _, _, folder = mesh
+    tok = load_tokenizer(str(folder))
+    with_tools = len(tok.encode_chat(MESSAGES, tools=TOOLS))
+    assert with_tools > len(tok.encode_chat(MESSAGES)) + 50
+    for choice in ("auto", "none"):
+        out = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, tool_choice=choice,
+                                             max_tokens=16, seed=3)
+        assert out.usage.prompt_tokens == with_tools
+        msg = out.choices[0].message
+        if choice == "none":
+            assert msg.tool_calls is None and isinstance(msg.content, str)
+        else:  # a random model: whatever it wrote is content, or well-formed calls
+            for call in msg.tool_calls or []:
+                json.loads(call.function.arguments)
+        assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # streamed auto: the content is the same as the non-streamed reply's
+    kw = dict(model=model, messages=MESSAGES, tools=TOOLS, max_tokens=24, seed=8, temperature=1.0)
+    whole = client.chat.completions.create(**kw).choices[0].message
+    chunks = list(client.chat.completions.create(**kw, stream=True))  # the SDK's stream() refuses "length"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert (content or None) == (whole.content or None)
+    streamed_calls = {tc.index for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []}
+    assert len(streamed_calls) == len(whole.tool_calls or [])
+
+
+def test_conversation_with_tool_results(mesh, client, model):
+    _, _, folder = mesh
+    messages = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+    ]
+    out = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=8, seed=1)
+    tok = load_tokenizer(str(folder))
+    rendered = tok.apply_chat_template(
+        [messages[0], {"role": "assistant", "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}]},
+         messages[2]], tools=TOOLS)
+    assert '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}' in rendered
+    assert "<tool_response>\n{\"temperature\": 21}\n</tool_response>" in rendered
+    assert out.usage.prompt_tokens == len(tok.encode(rendered, add_special_tokens=False))
+
+
+def test_bad_tool_requests_are_400(client, model):
+    cases = [
+        dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),
+        dict(tools=[{"type": "function", "function": {"description": "no name"}}]),
+        dict(tool_choice="required"),
+        dict(tools=TOOLS, tool_choice="sometimes"),
+    ]
+    for kw in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, **kw)
+        assert e.value.status_code == 400
+
+
+def test_mesh_is_clean_afterwards(mesh):
+    mesh[0].assert_invariants()

@@ -22,6 +22,7 @@ from services.router.tool_parsers import get_format
 MAX_TOOLS = 128  # OpenAI's limit
 NAME_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
 CHOICES = ("none", "auto", "required")
+FORCED_JSON_PARSER = "llama3_json"  # the format of a forced call on a model that shows none
 # JSON inside a forced call is written the way json.dumps (and so the chat template's tojson)
 # writes it: ", " and ": ", no other whitespace. Models saw that layout in their prompts, and a
 # model cannot pad the arguments with whitespace forever. A schema's own "x-guidance" wins.
@@ -167,11 +168,16 @@ def parse_tools(body: dict, parser: str | None, tokenizer: Tokenizer | None = No
     if choice == "none":
         # rendered (the model sees what it may not call, as vLLM does), never parsed
         return ToolRequest(raw or [], choice, None, parallel, None, None)
+    if parser is None and choice in ("required", "function"):
+        # a model whose template shows no format (the built-in one) can still be made to call: the
+        # grammar forces plain JSON calls, {"name": ..., "parameters": {...}} (vLLM forces JSON too)
+        parser = FORCED_JSON_PARSER
     if parser is None:
         raise bad_request(
-            "Tool calling is not supported with this model: its chat template shows no tool-call format the "
-            "router can parse (hermes, llama3_json). Start the router with --tool-call-parser to name one, or "
-            "send tool_choice 'none'.", param="tools", code="unsupported_value")
+            "Tool calling with tool_choice 'auto' is not supported with this model: its chat template shows no "
+            "tool-call format the router can parse (hermes, llama3_json). Start the router with "
+            "--tool-call-parser to name one, or send tool_choice 'required', a named function or 'none'.",
+            param="tools", code="unsupported_value")
     grammar = None
     if choice in ("required", "function"):
         chosen = [t for t in tools if t.name == forced] if forced else tools

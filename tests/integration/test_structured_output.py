@@ -221,3 +221,42 @@ def test_migrated_form_rebuilds_the_grammar_state_and_continues_exactly(tmp_path
         mesh.assert_invariants()
     finally:
         mesh.close()
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["c", "f"]}}}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_call_on_a_model_without_a_tool_format(mesh, stream):
+    """The built-in model's chat template shows no tool-call format: `auto` is refused, but a named
+    function (or `required`) works — the grammar forces a plain JSON call — through the openai SDK."""
+    import openai
+
+    m, p, d, r = mesh
+    client = openai.OpenAI(base_url=r.http_url + "/v1", api_key="unused", max_retries=0)
+    params = WEATHER["function"]["parameters"]
+    for seed, choice in ((1, {"type": "function", "function": {"name": "get_weather"}}), (2, "required")):
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER],
+                  tool_choice=choice, seed=seed, max_tokens=200, parallel_tool_calls=False)
+        if stream:
+            calls: dict[int, dict] = {}
+            finish = None
+            for chunk in client.chat.completions.create(stream=True, **kw):
+                for delta in chunk.choices[0].delta.tool_calls or []:
+                    call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                    call["name"] += delta.function.name or ""
+                    call["arguments"] += delta.function.arguments or ""
+                finish = chunk.choices[0].finish_reason or finish
+            got = list(calls.values())
+        else:
+            choice_out = client.chat.completions.create(**kw).choices[0]
+            finish = choice_out.finish_reason
+            got = [{"name": c.function.name, "arguments": c.function.arguments} for c in choice_out.message.tool_calls]
+        assert finish == "tool_calls" and len(got) == 1 and got[0]["name"] == "get_weather"
+        jsonschema.validate(json.loads(got[0]["arguments"]), params)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], tools=[WEATHER])
+    m.assert_invariants()

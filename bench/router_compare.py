@@ -167,6 +167,8 @@ def serve_fake_grpc(role: str, port: int) -> None:
         # decode: ids that each decode to whole printable text with the built-in tokenizer, so every
         # token is one SSE event, as from the SGLang fake
         w = FakePrefill() if role == "prefill" else FakeDecode(script=script)
+        if role == "decode":
+            w.coalesce = os.environ.get("PDMESH_FAKE_COALESCE", "1") == "1"
         w.port = port
         await w.start()
         print(f"fake {role} on {w.addr}", flush=True)

@@ -50,6 +50,8 @@ class Seen:
     requests: list = field(default_factory=list)
     cancelled: int = 0  # RPCs that ended because the caller cancelled
     active: int = 0  # RPCs in progress right now
+    chunks: int = 0  # decode: DecodeChunks with tokens sent
+    tokens: int = 0  # decode: tokens in them
 
 
 class _FakeHealth(health_pb2_grpc.HealthServicer):
@@ -177,8 +179,9 @@ class FakeDecode(FakeWorker, wpb_grpc.DecodeServicer):
         except _MidStreamFailure as e:
             queue.put_nowait(e.code)
 
-    @staticmethod
-    def _chunk(request, item: Tokens) -> wpb.DecodeChunk:
+    def _chunk(self, request, item: Tokens) -> wpb.DecodeChunk:
+        self.seen.chunks += 1
+        self.seen.tokens += len(item.token_ids)
         return wpb.DecodeChunk(token_ids=item.token_ids, logprobs=item.logprobs, finish_reason=item.finish_reason,
                                prompt_tokens=len(request.token_ids), completion_tokens=item.completion_tokens)
 

@@ -27,7 +27,7 @@ workers never compete with it. Both routers idle while the other is measured. Th
 numbers; the ratios from one run are the point.
 
 Usage: python bench/router_compare.py [--seconds 5] [--rounds 2] [--stream-tokens 64] [--no-pin]
-       [--only pdmesh|sglang] [--floor]
+       [--only pdmesh|sglang] [--floor] [--baseline DIR]
 """
 
 from __future__ import annotations
@@ -112,11 +112,11 @@ class Procs:
     def __init__(self, tmp: pathlib.Path, pin: bool):
         self.tmp, self.pin, self.procs = tmp, pin, []
 
-    def start(self, name: str, cmd: list[str], core: str) -> subprocess.Popen:
+    def start(self, name: str, cmd: list[str], core: str, cwd: pathlib.Path = ROOT) -> subprocess.Popen:
         if self.pin:
             cmd = ["taskset", "-c", core, *cmd]
         log = (self.tmp / f"{name}.log").open("wb")
-        p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        p = subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
         self.procs.append(p)
         return p
 
@@ -213,6 +213,9 @@ def main() -> int:
     ap.add_argument("--stream-tokens", type=int, default=64)
     ap.add_argument("--no-pin", action="store_true", help="do not pin processes to cores with taskset")
     ap.add_argument("--only", choices=("pdmesh", "sglang"), help="measure one side only")
+    ap.add_argument("--baseline", type=pathlib.Path, metavar="DIR",
+                    help="also measure the router and fake workers of another pdmesh checkout (e.g. main's, "
+                         "with its generated code), as the side 'baseline', in the same run")
     ap.add_argument("--floor", action="store_true",
                     help="also measure bench/router_floor.py (HTTP + two gRPC calls, nothing else) in the "
                          "non-streamed cases")
@@ -227,6 +230,8 @@ def main() -> int:
     router_core, other_cores = "0", f"1-{ncpu - 1}"
     wrk = ensure_wrk()
     sides = ["sglang", "pdmesh"] if args.only is None else [args.only]
+    if args.baseline:
+        sides.append("baseline")
     if args.floor:
         sides.append("floor")
     sgl_py = ensure_sglang() if "sglang" in sides else None
@@ -258,6 +263,16 @@ def main() -> int:
                                               "--policy", "round_robin"], router_core)
                 urls["pdmesh"] = f"http://127.0.0.1:{pr}"
                 fake_decode = procs.procs[-2]
+            if "baseline" in sides:  # the same processes, from the other checkout's files
+                root = args.baseline.resolve()
+                bp, bd, br = free_port(), free_port(), free_port()
+                for role, port in (("prefill", bp), ("decode", bd)):
+                    procs.start(f"baseline-fake-{role}", [sys.executable, "bench/router_compare.py",
+                                                          "--serve-fake-grpc", role, str(port)], other_cores, root)
+                procs.start("baseline-router", [sys.executable, "-m", "services.router", "--port", str(br),
+                                                "--prefill", f"127.0.0.1:{bp}", "--decode", f"127.0.0.1:{bd}",
+                                                "--policy", "round_robin"], router_core, root)
+                urls["baseline"] = f"http://127.0.0.1:{br}"
             if "floor" in sides:
                 fp, fd, fr = free_port(), free_port(), free_port()
                 for role, port in (("prefill", fp), ("decode", fd)):
@@ -301,7 +316,8 @@ def main() -> int:
                 case = {"concurrency": conns, "max_tokens": max_tokens, "stream": stream}
                 for side in measured:
                     case[side] = {"median": median_of(runs[side]), "runs": runs[side]}
-                for a, b in (("pdmesh", "sglang"), ("floor", "sglang"), ("pdmesh", "floor")):
+                for a, b in (("pdmesh", "sglang"), ("baseline", "sglang"), ("floor", "sglang"), ("pdmesh", "baseline"),
+                             ("pdmesh", "floor")):
                     if a in case and b in case:
                         p, s = case[a]["median"], case[b]["median"]
                         case[f"ratio_{a}_over_{b}"] = {
@@ -320,6 +336,7 @@ def main() -> int:
             "pdmesh": "python -m services.router --policy round_robin, instant fake gRPC workers "
                       "(tests/fake_workers.py), one process each; the fake decode coalesces tokens as the "
                       f"real one does: {os.environ.get('PDMESH_FAKE_COALESCE', '1') == '1'}",
+            "baseline": f"the router and fake workers of {args.baseline}" if args.baseline else None,
             "floor": "bench/router_floor.py: uvicorn + grpc.aio, Prefill + Decode per request and nothing else, "
                      "in front of its own instant fake gRPC workers (non-streamed cases only)",
             "load_generator": "wrk -t 1, Lua POST body, its own process",

@@ -265,14 +265,20 @@ class _Run:
                        for i in range(spec.n)]
         self.state = self.states[0]
         self.fan = FanIn([
-            router.orchestrator.generate(replace(spec, seed=spec.choice_seed(i)), deadline,
-                                         router.settings.request_timeout, first_room=request_id if i == 0 else None)
+            router.orchestrator.generate(self._choice_spec(i), deadline, router.settings.request_timeout,
+                                         first_room=request_id if i == 0 else None)
             for i in range(spec.n)
         ])
         self.last_token_at: list[float | None] = [None] * spec.n
         self.ttft: float | None = None
         self._ended: set[int] = set()  # choices whose last chunk (with a finish reason) was read
         self._finished = False
+
+    def _choice_spec(self, index: int) -> GenerateSpec:
+        """The spec of one choice: its own seed (choice 0 keeps the request's; no copy then —
+        dataclasses.replace of a GenerateSpec is a measurable part of a request)."""
+        seed = self.spec.choice_seed(index)
+        return self.spec if seed == self.spec.seed else replace(self.spec, seed=seed)
 
     @property
     def all_finished(self) -> bool:

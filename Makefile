@@ -79,7 +79,7 @@ bench: venv-dev proto
 # "Performance"): needs Debian's wrk; installs sglang-router into bench/.venv-sglang (bench only).
 bench-router: venv-dev proto
 	@mkdir -p bench/out
-	$(PY) bench/router_compare.py > bench/out/router_compare.json
+	$(PY) bench/router_compare.py --floor > bench/out/router_compare.json
 	@cat bench/out/router_compare.json
 
 # PD against colocated on this machine's two cores (docs/bench.md): JSON under bench/out/,

@@ -4,7 +4,12 @@
   environment bench/.venv-sglang, never a pdmesh dependency) in PD mode (`--pd-disaggregation`)
   in front of instant fake SGLang HTTP workers (bench/fake_sglang_worker.py, one process each).
 - **pdmesh's router** (`python -m services.router`) in front of instant fake gRPC workers
-  (tests/fake_workers.py's FakePrefill / FakeDecode, one process each).
+  (tests/fake_workers.py's FakePrefill / FakeDecode, one process each). The fake decode puts
+  the tokens it makes while a chunk is being written into the next chunk, as the real decode
+  does (PDMESH_FAKE_COALESCE=0: one token per chunk); `decode_tokens_per_chunk` says how many
+  a chunk carried on average.
+- with `--floor`, **bench/router_floor.py**: uvicorn + grpc.aio doing only the HTTP exchange and
+  the two RPCs per request — the least any router on this stack costs (non-streamed cases).
 - The same load generator for both: **wrk** (Debian package `wrk`) with a Lua script that POSTs
   the same `/v1/completions` body, in its own process.
 
@@ -22,7 +27,7 @@ workers never compete with it. Both routers idle while the other is measured. Th
 numbers; the ratios from one run are the point.
 
 Usage: python bench/router_compare.py [--seconds 5] [--rounds 2] [--stream-tokens 64] [--no-pin]
-       [--only pdmesh|sglang]
+       [--only pdmesh|sglang] [--floor] [--baseline DIR]
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import os
 import pathlib
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -106,11 +112,11 @@ class Procs:
     def __init__(self, tmp: pathlib.Path, pin: bool):
         self.tmp, self.pin, self.procs = tmp, pin, []
 
-    def start(self, name: str, cmd: list[str], core: str) -> subprocess.Popen:
+    def start(self, name: str, cmd: list[str], core: str, cwd: pathlib.Path = ROOT) -> subprocess.Popen:
         if self.pin:
             cmd = ["taskset", "-c", core, *cmd]
         log = (self.tmp / f"{name}.log").open("wb")
-        p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        p = subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
         self.procs.append(p)
         return p
 
@@ -167,16 +173,35 @@ def serve_fake_grpc(role: str, port: int) -> None:
         # decode: ids that each decode to whole printable text with the built-in tokenizer, so every
         # token is one SSE event, as from the SGLang fake
         w = FakePrefill() if role == "prefill" else FakeDecode(script=script)
+        if role == "decode":
+            w.coalesce = os.environ.get("PDMESH_FAKE_COALESCE", "1") == "1"
         w.port = port
         await w.start()
         print(f"fake {role} on {w.addr}", flush=True)
+        # SIGUSR1: how many chunks and tokens decode has sent so far (the bench's tokens per chunk)
+        asyncio.get_running_loop().add_signal_handler(
+            signal.SIGUSR1, lambda: print(f"CHUNKS {w.seen.chunks} {w.seen.tokens}", flush=True))
         await asyncio.Event().wait()
 
     asyncio.run(main())
 
 
+def chunks_sent(proc: subprocess.Popen, log: pathlib.Path) -> tuple[int, int]:
+    """(chunks, tokens) the fake decode has sent so far: it prints them on SIGUSR1."""
+    before = log.read_text().count("CHUNKS")
+    proc.send_signal(signal.SIGUSR1)
+    until = time.monotonic() + 5
+    while time.monotonic() < until:
+        lines = [ln for ln in log.read_text().splitlines() if ln.startswith("CHUNKS")]
+        if len(lines) > before:
+            _, chunks, tokens = lines[-1].split()
+            return int(chunks), int(tokens)
+        time.sleep(0.05)
+    raise RuntimeError("the fake decode did not report its chunks")
+
+
 def median_of(runs: list[dict]) -> dict:
-    keys = ("rps", "p50_ms", "p90_ms", "p99_ms", "mean_ms", "tokens_per_s")
+    keys = ("rps", "p50_ms", "p90_ms", "p99_ms", "mean_ms", "tokens_per_s", "decode_tokens_per_chunk")
     return {k: round(statistics.median(r[k] for r in runs), 3) for k in keys if k in runs[0]} | {
         "errors": sum(r["errors"] for r in runs)}
 
@@ -188,6 +213,12 @@ def main() -> int:
     ap.add_argument("--stream-tokens", type=int, default=64)
     ap.add_argument("--no-pin", action="store_true", help="do not pin processes to cores with taskset")
     ap.add_argument("--only", choices=("pdmesh", "sglang"), help="measure one side only")
+    ap.add_argument("--baseline", type=pathlib.Path, metavar="DIR",
+                    help="also measure the router and fake workers of another pdmesh checkout (e.g. main's, "
+                         "with its generated code), as the side 'baseline', in the same run")
+    ap.add_argument("--floor", action="store_true",
+                    help="also measure bench/router_floor.py (HTTP + two gRPC calls, nothing else) in the "
+                         "non-streamed cases")
     ap.add_argument("--serve-fake-grpc", nargs=2, metavar=("ROLE", "PORT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_fake_grpc:
@@ -199,6 +230,10 @@ def main() -> int:
     router_core, other_cores = "0", f"1-{ncpu - 1}"
     wrk = ensure_wrk()
     sides = ["sglang", "pdmesh"] if args.only is None else [args.only]
+    if args.baseline:
+        sides.append("baseline")
+    if args.floor:
+        sides.append("floor")
     sgl_py = ensure_sglang() if "sglang" in sides else None
     load_before = [round(x, 2) for x in os.getloadavg()]
 
@@ -206,6 +241,7 @@ def main() -> int:
         tmp = pathlib.Path(tmpdir)
         procs = Procs(tmp, pin)
         urls: dict[str, str] = {}
+        fake_decode: subprocess.Popen | None = None  # pdmesh's, asked for its chunk counts
         try:
             if "sglang" in sides:
                 sp, sd, sr = free_port(), free_port(), free_port()
@@ -226,8 +262,29 @@ def main() -> int:
                                               "--prefill", f"127.0.0.1:{pp}", "--decode", f"127.0.0.1:{pd}",
                                               "--policy", "round_robin"], router_core)
                 urls["pdmesh"] = f"http://127.0.0.1:{pr}"
+                fake_decode = procs.procs[-2]
+            if "baseline" in sides:  # the same processes, from the other checkout's files
+                root = args.baseline.resolve()
+                bp, bd, br = free_port(), free_port(), free_port()
+                for role, port in (("prefill", bp), ("decode", bd)):
+                    procs.start(f"baseline-fake-{role}", [sys.executable, "bench/router_compare.py",
+                                                          "--serve-fake-grpc", role, str(port)], other_cores, root)
+                procs.start("baseline-router", [sys.executable, "-m", "services.router", "--port", str(br),
+                                                "--prefill", f"127.0.0.1:{bp}", "--decode", f"127.0.0.1:{bd}",
+                                                "--policy", "round_robin"], router_core, root)
+                urls["baseline"] = f"http://127.0.0.1:{br}"
+            if "floor" in sides:
+                fp, fd, fr = free_port(), free_port(), free_port()
+                for role, port in (("prefill", fp), ("decode", fd)):
+                    procs.start(f"floor-fake-{role}", [sys.executable, __file__, "--serve-fake-grpc", role,
+                                                       str(port)], other_cores)
+                procs.start("floor", [sys.executable, "bench/router_floor.py", "--port", str(fr), "--prefill",
+                                      f"127.0.0.1:{fp}", "--decode", f"127.0.0.1:{fd}"], router_core)
+                urls["floor"] = f"http://127.0.0.1:{fr}"
             for side, url in urls.items():
                 wait_http(url + "/v1/completions", 60, f"{side} router", post=body(1, False).encode())
+                if side == "floor":
+                    continue
                 got = stream_tokens(url + "/v1/completions", args.stream_tokens)
                 if got != args.stream_tokens:
                     raise RuntimeError(f"{side}: a streamed response had {got} tokens, not {args.stream_tokens}")
@@ -238,27 +295,35 @@ def main() -> int:
             for name, conns, max_tokens, stream in cases:
                 script = tmp / f"{name}.lua"
                 script.write_text(LUA % body(max_tokens, stream))
-                runs: dict[str, list[dict]] = {s: [] for s in urls}
-                for url in urls.values():  # warm-up: connections and lazily built paths
-                    run_wrk(wrk, url + "/v1/completions", script, conns, 1, other_cores, pin)
+                measured = [side for side in urls if not (stream and side == "floor")]  # the floor: JSON only
+                runs: dict[str, list[dict]] = {s: [] for s in measured}
+                for side in measured:  # warm-up: connections and lazily built paths
+                    run_wrk(wrk, urls[side] + "/v1/completions", script, conns, 1, other_cores, pin)
                 for r in range(args.rounds):
-                    order = list(urls) if r % 2 == 0 else list(reversed(urls))
+                    order = measured if r % 2 == 0 else list(reversed(measured))
                     for side in order:
+                        sent = chunks_sent(fake_decode, tmp / "pdmesh-fake-decode.log") if side == "pdmesh" else None
                         res = run_wrk(wrk, urls[side] + "/v1/completions", script, conns, args.seconds,
                                       other_cores, pin)
                         if stream:
                             res["tokens_per_s"] = round(res["rps"] * max_tokens, 1)
+                        if sent is not None:
+                            after = chunks_sent(fake_decode, tmp / "pdmesh-fake-decode.log")
+                            chunks, tokens = after[0] - sent[0], after[1] - sent[1]
+                            res["decode_tokens_per_chunk"] = round(tokens / chunks, 2) if chunks else None
                         runs[side].append(res)
                         print(f"[compare] {name} {side}: {res}", file=sys.stderr, flush=True)
                 case = {"concurrency": conns, "max_tokens": max_tokens, "stream": stream}
-                for side in urls:
+                for side in measured:
                     case[side] = {"median": median_of(runs[side]), "runs": runs[side]}
-                if len(urls) == 2:
-                    p, s = case["pdmesh"]["median"], case["sglang"]["median"]
-                    case["ratio_pdmesh_over_sglang"] = {
-                        "rps": round(p["rps"] / s["rps"], 3) if s["rps"] else None,
-                        "p50_ms": round(p["p50_ms"] / s["p50_ms"], 3) if s["p50_ms"] else None,
-                    }
+                for a, b in (("pdmesh", "sglang"), ("baseline", "sglang"), ("floor", "sglang"), ("pdmesh", "baseline"),
+                             ("pdmesh", "floor")):
+                    if a in case and b in case:
+                        p, s = case[a]["median"], case[b]["median"]
+                        case[f"ratio_{a}_over_{b}"] = {
+                            "rps": round(p["rps"] / s["rps"], 3) if s["rps"] else None,
+                            "p50_ms": round(p["p50_ms"] / s["p50_ms"], 3) if s["p50_ms"] else None,
+                        }
                 results[name] = case
         finally:
             procs.close()
@@ -269,7 +334,11 @@ def main() -> int:
             "sglang": f"{SGLANG_ROUTER} --pd-disaggregation --policy round_robin, instant fake SGLang HTTP "
                       "workers (bench/fake_sglang_worker.py), one process each",
             "pdmesh": "python -m services.router --policy round_robin, instant fake gRPC workers "
-                      "(tests/fake_workers.py), one process each",
+                      "(tests/fake_workers.py), one process each; the fake decode coalesces tokens as the "
+                      f"real one does: {os.environ.get('PDMESH_FAKE_COALESCE', '1') == '1'}",
+            "baseline": f"the router and fake workers of {args.baseline}" if args.baseline else None,
+            "floor": "bench/router_floor.py: uvicorn + grpc.aio, Prefill + Decode per request and nothing else, "
+                     "in front of its own instant fake gRPC workers (non-streamed cases only)",
             "load_generator": "wrk -t 1, Lua POST body, its own process",
             "pinning": (f"taskset: router under test on core {router_core}; wrk and fake workers on cores "
                         f"{other_cores}") if pin else "none",

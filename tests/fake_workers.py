@@ -5,7 +5,10 @@ each fake can be told to fail, hang or stall at a chosen point, and counts what 
 cancellations, streams still open) so tests can assert that the router ended every RPC.
 
 Not used in production. A fake decode "generates" by cycling through `script` (token ids),
-honouring max_tokens and stop_token_ids like the real decode, and emits one token per chunk.
+honouring max_tokens and stop_token_ids like the real decode, and emits one token per chunk
+(`chunk_tokens` > 1: that many per chunk, for tests of multi-token chunks; `coalesce`: as the
+real decode does, every token made while the previous chunk was being written goes out in the
+next one, for benchmarks).
 With `positional` set, the token at absolute position p is script[p % len(script)] (as the real
 workers' seeded sampling keys each token by its position), so a request re-submitted with
 prompt + generated ids continues the same sequence — what migration relies on.
@@ -21,6 +24,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
+from services.decode.jobs import Tokens, coalesce
+
+
+class _MidStreamFailure(Exception):
+    def __init__(self, code: grpc.StatusCode):
+        self.code = code
 
 
 @dataclass
@@ -41,6 +50,8 @@ class Seen:
     requests: list = field(default_factory=list)
     cancelled: int = 0  # RPCs that ended because the caller cancelled
     active: int = 0  # RPCs in progress right now
+    chunks: int = 0  # decode: DecodeChunks with tokens sent
+    tokens: int = 0  # decode: tokens in them
 
 
 class _FakeHealth(health_pb2_grpc.HealthServicer):
@@ -135,9 +146,44 @@ class FakeDecode(FakeWorker, wpb_grpc.DecodeServicer):
         self.script = script or list(b"Hello, world! ")
         self.logprob = -0.5
         self.positional = False
+        self.coalesce = False  # True: several tokens per chunk when the reader falls behind (real decode's way)
+        self.chunk_tokens = 1  # otherwise: exactly this many tokens per chunk (the last may have fewer)
 
     def _register(self, server) -> None:
         wpb_grpc.add_DecodeServicer_to_server(self, server)
+
+    async def _tokens(self, request, mode: str):
+        """The scripted tokens as jobs.Tokens, one at a time; fail_after aborts, hang_after hangs."""
+        b = self.behaviour
+        stop_ids = set(request.params.stop_token_ids)
+        max_tokens = request.params.max_tokens or 16
+        for n in range(1, max_tokens + 1):
+            if n > 1 and b.token_delay:
+                await asyncio.sleep(b.token_delay)
+            if mode == "fail_after" and n > b.after:
+                raise _MidStreamFailure(b.code)
+            if mode == "hang_after" and n > b.after:
+                await asyncio.Event().wait()
+            index = len(request.token_ids) + n - 1 if self.positional else n - 1
+            token = self.script[index % len(self.script)]
+            finish = "stop" if token in stop_ids else ("length" if n == max_tokens else "")
+            yield Tokens([token], [self.logprob], finish, n)
+            if finish:
+                return
+
+    async def _produce(self, request, mode: str, queue: asyncio.Queue) -> None:
+        try:
+            async for item in self._tokens(request, mode):
+                queue.put_nowait(item)
+                await asyncio.sleep(0)  # one token per loop turn, as decode steps interleave with writes
+        except _MidStreamFailure as e:
+            queue.put_nowait(e.code)
+
+    def _chunk(self, request, item: Tokens) -> wpb.DecodeChunk:
+        self.seen.chunks += 1
+        self.seen.tokens += len(item.token_ids)
+        return wpb.DecodeChunk(token_ids=item.token_ids, logprobs=item.logprobs, finish_reason=item.finish_reason,
+                               prompt_tokens=len(request.token_ids), completion_tokens=item.completion_tokens)
 
     async def Decode(self, request, context):  # noqa: N802
         self.seen.rooms.append(request.room)
@@ -158,28 +204,37 @@ class FakeDecode(FakeWorker, wpb_grpc.DecodeServicer):
                 await context.abort(b.code, b.details or "fake decode failure")
             if mode == "hang":
                 await asyncio.Event().wait()
-            params = request.params
-            stop_ids = set(params.stop_token_ids)
-            max_tokens = params.max_tokens or 16
-            for n in range(1, max_tokens + 1):
-                if n > 1 and b.token_delay:
-                    await asyncio.sleep(b.token_delay)
-                if mode == "fail_after" and n > b.after:
-                    await context.abort(b.code, "fake decode failure mid-stream")
-                if mode == "hang_after" and n > b.after:
-                    await asyncio.Event().wait()
-                index = len(request.token_ids) + n - 1 if self.positional else n - 1
-                token = self.script[index % len(self.script)]
-                finish = "stop" if token in stop_ids else ("length" if n == max_tokens else "")
-                yield wpb.DecodeChunk(
-                    token_ids=[token],
-                    logprobs=[self.logprob],
-                    finish_reason=finish,
-                    prompt_tokens=len(request.token_ids),
-                    completion_tokens=n,
-                )
-                if finish:
-                    return
+            if not self.coalesce:
+                group: Tokens | None = None  # up to chunk_tokens tokens, sent as one chunk
+                try:
+                    async for item in self._tokens(request, mode):
+                        if group is None:
+                            group = item
+                        else:
+                            group.extend(item)
+                        if len(group.token_ids) >= self.chunk_tokens or group.finish_reason:
+                            yield self._chunk(request, group)
+                            group = None
+                except _MidStreamFailure as e:
+                    if group is not None:  # as the real decode: tokens made before a failure go out first
+                        yield self._chunk(request, group)
+                    await context.abort(e.code, "fake decode failure mid-stream")
+                return
+            # as the real decode's servicer: tokens made while a chunk is being written go out together
+            queue: asyncio.Queue = asyncio.Queue()
+            producer = asyncio.ensure_future(self._produce(request, mode, queue))
+            held = None
+            try:
+                while True:
+                    item, held = (held, None) if held is not None else (await queue.get(), None)
+                    if isinstance(item, grpc.StatusCode):
+                        await context.abort(item, "fake decode failure mid-stream")
+                    item, held = coalesce(item, queue)
+                    yield self._chunk(request, item)
+                    if item.finish_reason:
+                        return
+            finally:
+                producer.cancel()
         except asyncio.CancelledError:
             self.seen.cancelled += 1
             raise

@@ -42,6 +42,7 @@ class Metrics:
 
     def __init__(self, engine_type: str, model_name: str, worker: str):
         self.registry = CollectorRegistry()
+        self._children: dict[tuple, object] = {}  # child()'s series; label values come from small fixed sets
         self.labels = {"model_name": model_name, "engine_type": engine_type, "worker": worker}
         r = self.registry
         gauge_names = {"prefill": PREFILL_GAUGES, "decode": DECODE_GAUGES, "router": ROUTER_GAUGES}[engine_type]
@@ -105,11 +106,20 @@ class Metrics:
     def gauge_from(self, name: str, fn: Callable[[], float]) -> None:
         self._gauges[name].labels(**self.labels).set_function(fn)
 
+    def child(self, metric, **extra):
+        """The metric's series for this process's labels + `extra`, looked up once: labels() costs
+        a lock, a dict and a tuple per call, and the router calls it several times per request."""
+        key = (metric, *extra.items())
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(**self.labels, **extra)
+        return found
+
     def inc(self, metric: Counter, amount: float = 1.0, **extra) -> None:
-        metric.labels(**self.labels, **extra).inc(amount)
+        self.child(metric, **extra).inc(amount)
 
     def observe(self, metric: Histogram, value: float) -> None:
-        metric.labels(**self.labels).observe(value)
+        self.child(metric).observe(value)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

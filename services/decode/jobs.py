@@ -51,14 +51,43 @@ class DecodeFailed(Exception):
 
 @dataclass
 class Tokens:
-    """One streamed chunk."""
+    """One streamed chunk: one token as the worker emits it, or several coalesced (coalesce())."""
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
-    completion_tokens: int
-    # per token, the top_logprobs alternatives [(id, logprob)]; None when the request asked for none
-    top_logprobs: list[list[tuple[int, float]]] | None = None
+    completion_tokens: int  # total so far
+    # per token, the top_logprobs alternatives [(id, logprob)]; empty when the request asked for none
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+    def extend(self, later: Tokens) -> None:
+        """Append the next chunk's tokens (every per-token list stays aligned with token_ids)."""
+        self.token_ids += later.token_ids
+        self.logprobs += later.logprobs
+        self.top_logprobs += later.top_logprobs
+        self.finish_reason = later.finish_reason
+        self.completion_tokens = later.completion_tokens
+
+
+def coalesce(first: Tokens, queue: asyncio.Queue) -> tuple[Tokens, object | None]:
+    """`first` plus every Tokens already queued behind it, as one chunk, and the item that stopped
+    the merge (a DecodeFailed, sent after the tokens before it), if any.
+
+    Tokens pile up in a room's queue while the stream is still writing the previous chunk (the
+    client or the router reads slower than decode produces): sending them as one DecodeChunk
+    costs the reader one message instead of one per token. A stream that keeps up still gets
+    one token per chunk, when each is produced."""
+    merged: Tokens | None = None
+    while not first.finish_reason and not queue.empty():
+        item = queue.get_nowait()
+        if not isinstance(item, Tokens):
+            return merged or first, item
+        if merged is None:  # a copy: `first` stays as the worker made it
+            merged = Tokens(list(first.token_ids), list(first.logprobs), first.finish_reason,
+                            first.completion_tokens, list(first.top_logprobs))
+        merged.extend(item)
+        first = merged
+    return merged or first, None
 
 
 @dataclass(eq=False)

@@ -4,6 +4,10 @@ While the worker holds a room but no forward is computing for it (waiting for pa
 prefill, retracted, or beyond the batch limit), the stream carries a keep-alive chunk every
 `keepalive_interval` seconds, so the router can tell a waiting decode from a frozen one: a
 stream silent for longer than its --stream-stall-timeout means no progress (docs/router.md).
+
+A chunk carries every token the room produced while the previous chunk was being written
+(`coalesce`): a reader that keeps up gets one token per chunk, one that falls behind gets fewer,
+bigger chunks instead of a growing backlog of messages.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.logging_setup import bound_room, get_logger
 from services.common.wire import parse_request, top_logprobs_pb
+from services.decode.jobs import coalesce
 from services.decode.worker import DecodeFailed, DecodeWorker
 from services.transfer.state import DuplicateRoom
 
@@ -49,17 +54,25 @@ class DecodeServicer(wpb_grpc.DecodeServicer):
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
             log.info("decode request", prompt_tokens=len(ids), prefill=request.prefill_addr or "colocated")
             done = False
+            held = None  # a failure taken from the queue behind tokens: it ends the stream next
             try:
                 while True:
-                    try:
-                        item = await asyncio.wait_for(job.out.get(), self.keepalive_interval)
-                    except TimeoutError:
-                        if not self.worker.is_computing(job):
-                            yield wpb.DecodeChunk(keepalive=True, prompt_tokens=len(ids))
-                        continue
+                    if held is not None:
+                        item, held = held, None
+                    elif not job.out.empty():  # no timer when the next item is already there
+                        item = job.out.get_nowait()
+                    else:
+                        try:
+                            item = await asyncio.wait_for(job.out.get(), self.keepalive_interval)
+                        except TimeoutError:
+                            if not self.worker.is_computing(job):
+                                yield wpb.DecodeChunk(keepalive=True, prompt_tokens=len(ids))
+                            continue
                     if isinstance(item, DecodeFailed):
                         done = True
                         await context.abort(getattr(grpc.StatusCode, item.code), f"room {room}: {item.reason}")
+                    # tokens produced while the previous chunk was being written go out together
+                    item, held = coalesce(item, job.out)
                     yield wpb.DecodeChunk(
                         token_ids=item.token_ids,
                         logprobs=item.logprobs,

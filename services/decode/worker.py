@@ -206,6 +206,6 @@ class DecodeWorker:
             finish = "stop"
         elif len(job.output) >= job.params.max_tokens:
             finish = "length"
-        job.out.put_nowait(Tokens([token], [logprob], finish, len(job.output), [top] if top is not None else None))
+        job.out.put_nowait(Tokens([token], [logprob], finish, len(job.output), [top] if top is not None else []))
         if finish:
             self.finish(job)

@@ -40,6 +40,7 @@ from services.common.tokenizer import BUILTIN_NAMES, Tokenizer, load_tokenizer
 from services.router import errors, openapi
 from services.router.errors import APIError
 from services.router.fanout import FanIn, PrefillShare
+from services.router.fastpath import RouterApp
 from services.router.orchestrator import Orchestrator, new_room
 from services.router.output import TokenStrings
 from services.router.pool import WorkerPool
@@ -280,15 +281,20 @@ class _Run:
         self.state = self.states[0]
         share = PrefillShare(new_room()) if spec.n > 1 else None
         self.fan = FanIn([
-            router.orchestrator.generate(replace(spec, seed=spec.choice_seed(i)), deadline,
-                                         router.settings.request_timeout, first_room=request_id if i == 0 else None,
-                                         share=share)
+            router.orchestrator.generate(self._choice_spec(i), deadline, router.settings.request_timeout,
+                                         first_room=request_id if i == 0 else None, share=share)
             for i in range(spec.n)
         ])
         self.last_token_at: list[float | None] = [None] * spec.n
         self.ttft: float | None = None
         self._ended: set[int] = set()  # choices whose last chunk (with a finish reason) was read
         self._finished = False
+
+    def _choice_spec(self, index: int) -> GenerateSpec:
+        """The spec of one choice: its own seed (choice 0 keeps the request's; no copy then —
+        dataclasses.replace of a GenerateSpec is a measurable part of a request)."""
+        seed = self.spec.choice_seed(index)
+        return self.spec if seed == self.spec.seed else replace(self.spec, seed=seed)
 
     @property
     def all_finished(self) -> bool:
@@ -298,7 +304,9 @@ class _Run:
     def completion_tokens(self) -> int:
         return sum(s.completion_tokens for s in self.states)
 
-    def feed(self, index: int, chunk) -> tuple[str, list]:
+    def feed(self, index: int, chunk, each: bool = False) -> list[tuple[str, list, str | None]]:
+        """Feed a chunk to its choice's state; returns (text, logprob entries, finish reason): one
+        for the chunk, or with `each` one per token (a stream's events, ResponseState.feed_each)."""
         now = time.monotonic()
         n = len(chunk.token_ids)
         r = self.router
@@ -313,7 +321,7 @@ class _Run:
         self.last_token_at[index] = now
         state = self.states[index]
         before = state.completion_tokens
-        out = state.feed(chunk)
+        out = state.feed_each(chunk) if each else [(*state.feed(chunk), state.finish_reason)]
         r.generation_tokens_metric.inc(state.completion_tokens - before)
         return out
 
@@ -453,10 +461,11 @@ class _Run:
                     got = await self.next()
                 index, chunk = got
                 state = self.states[index]
-                text, entries = self.feed(index, chunk)
-                payload = state.delta_chunk(text, entries, state.finish_reason)
-                if payload is not None:
-                    buf.append(sse_event(payload))
+                # one event per token, whatever decode's chunking; the last one carries the finish reason
+                for text, entries, finish_reason in self.feed(index, chunk, each=True):
+                    event = state.delta_event(text, entries, finish_reason)
+                    if event is not None:
+                        buf.append(event)
                 if state.finished:
                     # a stop string: cancel its Decode RPC before the last bytes go out
                     await self.fan.close(index)
@@ -489,8 +498,8 @@ def create_app(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> 
         finally:
             await router.close()
 
-    app = FastAPI(title="pdmesh router", summary="OpenAI-compatible API of a prefill/decode-disaggregated mesh",
-                  lifespan=lifespan, redoc_url=None)
+    app = RouterApp(title="pdmesh router", summary="OpenAI-compatible API of a prefill/decode-disaggregated mesh",
+                    lifespan=lifespan, redoc_url=None)
     app.state.router = router
 
     @app.post("/v1/completions", openapi_extra=openapi.request_body(openapi.CompletionRequest),
@@ -504,6 +513,10 @@ def create_app(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> 
     async def chat_completions(request: Request) -> Response:
         """Chat completion (JSON, or SSE with "stream": true)."""
         return await router.generate(request, "chat")
+
+    # served without FastAPI's middleware and routing (services/router/fastpath.py); the routes
+    # above stay for the OpenAPI schema and for what the fast path leaves to FastAPI
+    app.fast_post = {"/v1/completions": completions, "/v1/chat/completions": chat_completions}
 
     def custom_openapi() -> dict[str, Any]:
         # FastAPI's own schema, plus the request models the routes parse by hand (services/router/openapi.py)
@@ -571,4 +584,5 @@ def create_app(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> 
         log.error("unhandled error", path=request.url.path, error=repr(exc))
         return router.error_response(APIError(500, "Internal server error.", code="internal_error"))
 
+    app.fast_error = internal_error
     return app

@@ -64,6 +64,30 @@ def rpc_failure(worker: Worker, exc: BaseException) -> WorkerFailure:
     return WorkerFailure(worker, None, repr(exc))
 
 
+async def first_of(futures: set[asyncio.Future], until: float) -> None:
+    """Return once one of `futures` is done or the loop's clock reaches `until`: asyncio.wait's
+    FIRST_COMPLETED with a deadline, for one caller, with one waiter and one timer and no sets
+    (it runs for every chunk of every stream)."""
+    loop = asyncio.get_running_loop()
+    if any(f.done() for f in futures):
+        return
+    waiter = loop.create_future()
+
+    def wake(_=None) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    for f in futures:
+        f.add_done_callback(wake)
+    timer = loop.call_at(until, wake)
+    try:
+        await waiter
+    finally:
+        timer.cancel()
+        for f in futures:
+            f.remove_done_callback(wake)
+
+
 class Attempt:
     """Both RPCs of one try. The pair arrives reserved by WorkerPool.choose_pair; the attempt
     releases decode's slot on close and prefill's when the Prefill RPC ends."""
@@ -137,7 +161,7 @@ class Attempt:
             if not self.got_first and not self._prefill_task.done():
                 waits.add(self._prefill_task)
             stall_at = self._last_heard + self.stall_timeout
-            await asyncio.wait(waits, timeout=max(0.0, stall_at - loop.time()), return_when=asyncio.FIRST_COMPLETED)
+            await first_of(waits, stall_at)
             if self._read.done():
                 read, self._read = self._read, None
                 if read.cancelled() or read.exception() is not None:

@@ -35,6 +35,8 @@ class Progress:
     def params(self, base: SamplingParams) -> SamplingParams:
         """The request's parameters for the next attempt: same seed, the tokens still owed, and
         how many of its prompt ids were generated (penalties and min_tokens count those)."""
+        if base.max_tokens == self.remaining and base.num_generated == len(self.generated):
+            return base  # a first attempt: nothing changes, and a copy (with its validation) costs
         return replace(base, max_tokens=self.remaining, num_generated=len(self.generated))
 
 

@@ -12,6 +12,7 @@ body, incrementally for a stream (content deltas and tool-call deltas, services/
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from typing import Any
@@ -20,11 +21,16 @@ from services.common.tokenizer import Tokenizer
 from services.router.orchestrator import Chunk
 from services.router.output import OutputText, TokenStrings
 from services.router.protocol import GenerateSpec
+from services.router.sse import sse_event
 from services.router.tool_parsers import ToolFormat, get_format
 
 # (token id, logprob, text offset, top_logprobs alternatives or None) of one generated token
 Entry = tuple[int, float, int, list[tuple[int, float]] | None]
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
+# A text that marks where delta_event's template takes the text: JSON escapes the control
+# characters, so the encoded slot cannot occur anywhere else in an event.
+_SLOT = "\x00pdmesh-text\x00"
+_SLOT_JSON = json.dumps(_SLOT).encode("utf-8")
 
 
 def _lp(value: float) -> float:
@@ -49,6 +55,7 @@ class ResponseState:
             get_format(spec.tool_parser) if spec.kind == "chat" and spec.tool_parser else None)
         self.tool_stream = self.tool_format.stream() if self.tool_format and spec.stream else None
         self._tool_deltas: list[dict[str, Any]] = []  # for the next delta_chunk
+        self._text_template: list[bytes] | None = None  # delta_event's event bytes around the text
 
     @property
     def prompt_tokens(self) -> int:
@@ -91,6 +98,22 @@ class ResponseState:
                 text, deltas = text + more, deltas + last
             self._tool_deltas += deltas
         return text, entries
+
+    def feed_each(self, chunk: Chunk) -> list[tuple[str, list[Entry], str | None]]:
+        """As feed(), token by token: (text, entries, finish_reason after it) per token fed — exactly
+        what chunks of one token each would have given, so a stream's events do not depend on how
+        decode batched its tokens into chunks. Stops at the token that finished the output."""
+        n = len(chunk.token_ids)
+        if n <= 1:
+            return [(*self.feed(chunk), self.finish_reason)]
+        out = []
+        for i, token in enumerate(chunk.token_ids):
+            part = Chunk([token], chunk.logprobs[i : i + 1], chunk.finish_reason if i == n - 1 else "",
+                         chunk.top[i : i + 1] if chunk.top is not None else None)
+            out.append((*self.feed(part), self.finish_reason))
+            if self.finished:
+                break
+        return out
 
     @property
     def text(self) -> str:
@@ -232,6 +255,19 @@ class ResponseState:
                 "finish_reason": finish_reason,
             }
         return self._chunk([choice])
+
+    def delta_event(self, text: str, entries, finish_reason: str | None) -> bytes | None:
+        """delta_chunk() as an SSE event, byte for byte; plain text (no logprobs, not the last
+        event) fills a template made once per choice instead of building and encoding the object."""
+        if entries or finish_reason is not None or self._tool_deltas:
+            payload = self.delta_chunk(text, entries, finish_reason)
+            return None if payload is None else sse_event(payload)
+        if not text:
+            return None
+        if self._text_template is None:
+            self._text_template = sse_event(self.delta_chunk(_SLOT, [], None)).split(_SLOT_JSON)
+        head, tail = self._text_template
+        return head + json.dumps(text, ensure_ascii=False).encode("utf-8") + tail
 
     def usage_chunk(self, states: list[ResponseState] | None = None) -> dict[str, Any]:
         obj = self._chunk([])

@@ -25,7 +25,8 @@ class QueuedWorker:
         self.items = items
         self.aborted: list[int] = []
         config = SimpleNamespace(vocab_size=512, max_position_embeddings=4096)
-        self.engine = SimpleNamespace(config=config, pool=SimpleNamespace(can_ever_hold=lambda n: True))
+        self.engine = SimpleNamespace(config=config, pool=SimpleNamespace(can_ever_hold=lambda n: True),
+                                      check_grammar=lambda params: None)
 
     def submit(self, room, token_ids, params, prefill_addr):
         out: asyncio.Queue = asyncio.Queue()

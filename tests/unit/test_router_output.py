@@ -168,3 +168,14 @@ def test_stream_chunk_shapes():
     usage = state.usage_chunk()
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 1
     assert usage["id"] == "chatcmpl-abc" and usage["object"] == "chat.completion.chunk"
+
+
+def test_feed_each_keeps_each_tokens_alternatives():
+    top = [[(ord("a"), -0.1)], [(ord("b"), -0.2)], [(ord("c"), -0.3)]]
+    whole = ResponseState(spec(kind="chat", logprobs=1, stream=True), TOK, TokenStrings(TOK), "r")
+    parts = whole.feed_each(Chunk(list(b"abc"), [-0.1, -0.2, -0.3], "length", top))
+    assert [e[0][3] for _, e, _ in parts] == top
+    one = ResponseState(spec(kind="chat", logprobs=1, stream=True), TOK, TokenStrings(TOK), "r")
+    for i, t in enumerate(b"abc"):
+        one.feed(Chunk([t], [-0.1 * (i + 1)], "length" if i == 2 else "", top[i : i + 1]))
+    assert whole.body() == one.body() | {"created": whole.created}

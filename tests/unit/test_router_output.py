@@ -177,5 +177,5 @@ def test_feed_each_keeps_each_tokens_alternatives():
     assert [e[0][3] for _, e, _ in parts] == top
     one = ResponseState(spec(kind="chat", logprobs=1, stream=True), TOK, TokenStrings(TOK), "r")
     for i, t in enumerate(b"abc"):
-        one.feed(Chunk([t], [-0.1 * (i + 1)], "length" if i == 2 else "", top[i : i + 1]))
+        one.feed(Chunk([t], [[-0.1, -0.2, -0.3][i]], "length" if i == 2 else "", top[i : i + 1]))
     assert whole.body() == one.body() | {"created": whole.created}

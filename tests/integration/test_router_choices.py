@@ -12,9 +12,6 @@ One mesh for the module.
 
 from __future__ import annotations
 
-import json
-
-import httpx
 import pytest
 
 from services.common.sampling_params import SamplingParams
@@ -22,6 +19,7 @@ from services.common.tokenizer import load_tokenizer
 from services.engine.kv_pool import KVPool
 from services.engine.loader import load_model
 from services.engine.local_generate import generate_full
+from tests.integration.http_client import post_json, router_with_one_pair, stream_events
 from tests.integration.mesh import Mesh
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -34,30 +32,18 @@ TOK = load_tokenizer(None)  # the default model's: models/pdmesh-tiny
 def router(tmp_path_factory):
     m = Mesh(tmp_path_factory.mktemp("choices"))
     try:
-        p = m.start_prefill(wait=False)
-        d = m.start_decode(wait=False)
-        m.wait_healthy(p)
-        m.wait_healthy(d)
-        r = m.start_router([p], [d], "--request-timeout", "60")
+        p, d, r = router_with_one_pair(m, "--request-timeout", "60")
         yield m, p, d, r
     finally:
         m.close()
 
 
 def _post(r, path: str, body: dict) -> dict:
-    resp = httpx.post(r.http_url + path, json=body, timeout=60)
-    assert resp.status_code == 200, resp.text
-    return resp.json()
+    return post_json(r.http_url, path, body, timeout=60)
 
 
 def _stream(r, path: str, body: dict) -> list[dict]:
-    events = []
-    with httpx.stream("POST", r.http_url + path, json={**body, "stream": True}, timeout=60) as resp:
-        assert resp.status_code == 200, resp.read()
-        for line in resp.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                events.append(json.loads(line[6:]))
-    return events
+    return stream_events(r.http_url, path, body, timeout=60)
 
 
 def test_n_choices_are_seeded_reproducible_and_streamed_with_their_index(router):

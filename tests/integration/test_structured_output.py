@@ -17,13 +17,13 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-import httpx
 import jsonschema
 import pytest
 
 from services.common.builtin_tokenizer import BuiltinTokenizer
 from services.common.sampling_params import SamplingParams
 from services.engine.grammar import GrammarRegistry, build_tokenizer
+from tests.integration.http_client import post_json, router_with_one_pair, stream_events
 from tests.integration.mesh import Mesh
 from tests.integration.worker_client import generate
 from tests.random_schemas import random_schema
@@ -39,30 +39,18 @@ MAX_TOKENS = 400
 def mesh(tmp_path_factory):
     m = Mesh(tmp_path_factory.mktemp("structured"))
     try:
-        p = m.start_prefill(wait=False)
-        d = m.start_decode(wait=False)
-        m.wait_healthy(p)
-        m.wait_healthy(d)
-        r = m.start_router([p], [d], "--request-timeout", "120")
+        p, d, r = router_with_one_pair(m, "--request-timeout", "120")
         yield m, p, d, r
     finally:
         m.close()
 
 
 def _post(r, path: str, body: dict) -> dict:
-    resp = httpx.post(r.http_url + path, json=body, timeout=120)
-    assert resp.status_code == 200, resp.text
-    return resp.json()
+    return post_json(r.http_url, path, body, timeout=120)
 
 
 def _stream(r, path: str, body: dict) -> list[dict]:
-    events = []
-    with httpx.stream("POST", r.http_url + path, json={**body, "stream": True}, timeout=120) as resp:
-        assert resp.status_code == 200, resp.read()
-        for line in resp.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                events.append(json.loads(line[6:]))
-    return events
+    return stream_events(r.http_url, path, body, timeout=120)
 
 
 def _chat_body(seed: int, schema: dict) -> dict:

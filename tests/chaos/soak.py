@@ -222,7 +222,8 @@ class Soak:
         unexcused = [r for r in failed if r not in excused]
         hung = [r for r in results if r.cause == "client_timeout" or r.ended - r.started > self.args.request_timeout + 5]
         verify_began = time.monotonic()
-        mismatched = check_outputs(results)
+        ties: list[str] = []
+        mismatched = check_outputs(results, ties=ties)
         self.timings["verify_s"] = time.monotonic() - verify_began
         count_errors = check_counts(results, self.router_counts, self.router_killed_at)
         died = [f"{p.role} {p.grpc_addr or p.http_port} exit {p.popen.poll()}" for p in self.mesh.procs
@@ -244,7 +245,8 @@ class Soak:
             "without": self.args.without,
             "requests": {"sent": len(results), "succeeded": len(results) - len(failed), "failed": len(failed),
                          "failed_in_flight_at_router_restart": len(excused), "failed_by_cause": causes,
-                         "streamed": sum(r.stream for r in results), "greedy": sum(r.seed is None for r in results)},
+                         "streamed": sum(r.stream for r in results), "greedy": sum(r.seed is None for r in results),
+                         "structured": sum(r.grammar is not None for r in results), "near_ties": len(ties)},
             "faults": self.fault_log,
             "longest_request_s": round(max((r.ended - r.started for r in results), default=0), 3),
             "drain_after_last_fault_s": round(drained_at - max(last_fault_end, load_end), 3),

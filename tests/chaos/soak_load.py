@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from tests.random_schemas import random_schema
+
 PRINTABLE = range(32, 127)  # the built-in tokenizer's printable bytes
+# Some requests carry a grammar, so faults and migrations also hit structured output, whose
+# matcher state every new worker must rebuild from the ids
+GRAMMAR_SHARE = 0.15
+WORDS_REGEX = r"[a-z]{2,8}( [a-z]{2,8}){0,6}\."
 
 
 @dataclass
@@ -29,6 +35,9 @@ class Result:
     temperature: float
     seed: int | None
     stream: bool
+    # structured output, (kind, source) as SamplingParams.grammar: sent as the OpenAI field it
+    # comes from, checked against single-process generation under the same grammar
+    grammar: tuple[str, str] | None = None
     started: float = 0.0
     ended: float = 0.0
     router_gen: tuple[int, int] = (0, 0)  # router generation at start and at end
@@ -64,6 +73,10 @@ def draw_request(rng: random.Random, rid: int, client: int) -> Result:
     long_prompt = rng.random() < 0.2
     n_prompt = rng.randint(100, 400) if long_prompt else rng.randint(3, 60)
     greedy = rng.random() < 0.6
+    grammar = None
+    if rng.random() < GRAMMAR_SHARE:
+        grammar = ("regex", WORDS_REGEX) if rng.random() < 0.5 else (
+            "json_schema", json.dumps(random_schema(rng.randrange(1 << 20)), sort_keys=True))
     return Result(
         id=rid, client=client,
         prompt=[rng.choice(PRINTABLE) for _ in range(n_prompt)],
@@ -71,6 +84,7 @@ def draw_request(rng: random.Random, rid: int, client: int) -> Result:
         temperature=0.0 if greedy else 0.8,
         seed=None if greedy else rng.randrange(1 << 31),
         stream=rng.random() < 0.5,
+        grammar=grammar,
     )
 
 
@@ -79,6 +93,13 @@ def _body(r: Result) -> dict:
             "temperature": r.temperature, "stream": r.stream}
     if r.seed is not None:
         body["seed"] = r.seed
+    if r.grammar is not None:
+        kind, source = r.grammar
+        if kind == "regex":
+            body["structured_outputs"] = {"regex": source}
+        else:
+            body["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": "soak", "schema": json.loads(source)}}
     return body
 
 

@@ -3,12 +3,15 @@ generation (invariant 2) and the router's counters against what the clients saw 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import httpx
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.sampling_params import SamplingParams
 from services.common.tokenizer import load_tokenizer
+from services.engine.grammar import GrammarRegistry, build_tokenizer
 from services.engine.kv_pool import KVPool
 from services.engine.loader import load_model
 from services.engine.local_generate import generate_full
@@ -28,9 +31,17 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
-def check_outputs(results: list[Result], batch: int = 32) -> list[str]:
+def check_outputs(results: list[Result], batch: int = 32, ties: list[str] | None = None) -> list[str]:
     """Every success must carry exactly the text (and finish reason) that the same model run in
-    one process gives for the same prompt and sampling parameters."""
+    one process gives for the same prompt and sampling parameters.
+
+    Even the random model has a rare prompt whose logits tie to within float rounding at some
+    position, where the batch a sequence shares (the matmul's blocking) decides the token: the
+    single-process reference itself then gives different texts in different batches. A mismatch
+    is accepted as such a tie (and listed in `ties`) only when the request's output equals the
+    reference computed in another batch composition — alone, or beside copies of itself — or
+    continued, as a migration does, from a one-shot prefill of its first k ids; any other
+    mismatch is a failure."""
     ok = [r for r in results if r.ok]
     if not ok:
         return []
@@ -39,16 +50,47 @@ def check_outputs(results: list[Result], batch: int = 32) -> list[str]:
     torch.set_num_threads(1)
     loaded, tokenizer = load_model("builtin-random"), load_tokenizer("builtin-random")  # the soak's model
     pool = KVPool(loaded.config, 2048, 16)
+    vocab = loaded.config.vocab_size
+    grammars = GrammarRegistry(build_tokenizer(tokenizer, None, vocab), vocab)
+
+    def params_of(r: Result) -> SamplingParams:
+        return SamplingParams(temperature=r.temperature, seed=r.seed, max_tokens=r.max_tokens,
+                              grammar=tuple(r.grammar) if r.grammar else None)
+
+    def matches(r: Result, ref) -> bool:
+        return r.text == tokenizer.decode(ref.token_ids) and r.finish_reason == ref.finish_reason
+
+    def resumed_tie(r: Result, ref) -> bool:
+        """A migrated (or recomputed) request continues from a one-shot prefill of prompt +
+        generated ids, where single-process generation decoded them one by one: a near-tie may
+        fall the other way on that path. True when, for some k up to where the output leaves the
+        reference, continuing from the reference's first k ids that way gives the output."""
+        agree = 0
+        while agree < len(ref.token_ids) and r.text.startswith(tokenizer.decode(ref.token_ids[: agree + 1])):
+            agree += 1
+        for k in range(1, min(agree, r.max_tokens - 1) + 1):
+            resumed = replace(params_of(r), max_tokens=r.max_tokens - k, num_generated=k)
+            rest = generate_full(loaded.model, pool, [r.prompt + ref.token_ids[:k]], [resumed], grammars=grammars)[0]
+            if matches(r, replace(rest, token_ids=ref.token_ids[:k] + rest.token_ids)):
+                return True
+        return False
+
     problems = []
     for i in range(0, len(ok), batch):
         chunk = ok[i : i + batch]
-        params = [SamplingParams(temperature=r.temperature, seed=r.seed, max_tokens=r.max_tokens) for r in chunk]
-        refs = generate_full(loaded.model, pool, [r.prompt for r in chunk], params)
+        refs = generate_full(loaded.model, pool, [r.prompt for r in chunk], [params_of(r) for r in chunk],
+                             grammars=grammars)
         for r, ref in zip(chunk, refs, strict=True):
-            want = tokenizer.decode(ref.token_ids)
-            if r.text != want or r.finish_reason != ref.finish_reason:
-                problems.append(f"request {r.id} (stream={r.stream}, seed={r.seed}): got {r.text!r}/{r.finish_reason}, "
-                                f"single-process {want!r}/{ref.finish_reason}")
+            if matches(r, ref):
+                continue
+            others = [generate_full(loaded.model, pool, [r.prompt] * n, [params_of(r)] * n, grammars=grammars)[0]
+                      for n in (1, 3, 8)]
+            if (any(matches(r, other) for other in others) or resumed_tie(r, ref)) and ties is not None:
+                ties.append(f"request {r.id}: a near-tie; its output is single-process generation's in another batch or on the resumed path")
+                continue
+            problems.append(f"request {r.id} (stream={r.stream}, seed={r.seed}, grammar={r.grammar}): got "
+                            f"{r.text!r}/{r.finish_reason}, single-process {tokenizer.decode(ref.token_ids)!r}/"
+                            f"{ref.finish_reason}")
     return problems
 
 

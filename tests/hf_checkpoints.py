@@ -47,26 +47,10 @@ def save_tiny_llama(folder: pathlib.Path, *, llama3_rope: bool = True, seed: int
 
 
 def save_tiny_qwen2(folder: pathlib.Path, *, seed: int = 1, max_shard_size: str | None = None) -> pathlib.Path:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        tie_word_embeddings=True,
-        initializer_range=INIT_RANGE,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-        use_sliding_window=False,
-    )
+    cfg = _tiny_qwen2_config(vocab_size=320, max_positions=512, eos=None, pad=0)
     model = Qwen2ForCausalLM(cfg).eval()
     # q/k/v biases start at zero; make them non-zero so the test can see a missing bias.
     with torch.no_grad():
@@ -152,7 +136,7 @@ def save_tiny_qwen2_tools(folder: pathlib.Path, *, seed: int = 3) -> pathlib.Pat
     special, as in Qwen2.5: decoding keeps them, and a grammar matches them as plain text."""
     from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
     from tokenizers import Tokenizer as BackendTokenizer
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
     backend = BackendTokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -170,22 +154,30 @@ def save_tiny_qwen2_tools(folder: pathlib.Path, *, seed: int = 3) -> pathlib.Pat
     eos = backend.token_to_id("<|im_end|>")
 
     torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=backend.get_vocab_size(with_added_tokens=True),
+    cfg = _tiny_qwen2_config(backend.get_vocab_size(with_added_tokens=True), 2048, eos,
+                             backend.token_to_id("<|endoftext|>"))
+    Qwen2ForCausalLM(cfg).eval().save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def _tiny_qwen2_config(vocab_size: int, max_positions: int, eos: int | None, pad: int):
+    """The tiny Qwen2 shape every Qwen2 checkpoint here shares (2 layers, GQA 4/2, tied embeddings)."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=2048,
+        max_position_embeddings=max_positions,
         rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         tie_word_embeddings=True,
         initializer_range=INIT_RANGE,
         bos_token_id=None,
         eos_token_id=eos,
-        pad_token_id=backend.token_to_id("<|endoftext|>"),
+        pad_token_id=pad,
         use_sliding_window=False,
     )
-    Qwen2ForCausalLM(cfg).eval().save_pretrained(folder, safe_serialization=True)
-    return folder

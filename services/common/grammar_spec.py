@@ -24,7 +24,7 @@ def to_llguidance(kind: str, source: str) -> str:
         except ValueError as e:
             raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
         if isinstance(schema, dict) and "x-guidance" not in schema:
-            # compact JSON (", " and ": " between items): with free whitespace a model can spend
+            # compact JSON (no whitespace: {"a":1,"b":2}): with free whitespace a model can spend
             # its whole max_tokens on newlines inside a valid-so-far prefix
             schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
         return llguidance.grammar_from("json_schema", json.dumps(schema))

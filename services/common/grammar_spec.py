@@ -7,6 +7,7 @@ A grammar travels as (kind, source): "json_schema" (the schema as JSON text), "r
 
 from __future__ import annotations
 
+import functools
 import json
 
 import llguidance
@@ -33,8 +34,10 @@ def to_llguidance(kind: str, source: str) -> str:
     raise GrammarError(f"unknown grammar kind {kind!r}")
 
 
+@functools.lru_cache(maxsize=512)
 def validate(kind: str, source: str) -> str | None:
-    """None when the grammar compiles, else llguidance's message (no tokenizer needed)."""
+    """None when the grammar compiles, else llguidance's message (no tokenizer needed). Cached:
+    clients tend to send the same schema request after request, and the router checks each."""
     try:
         grammar = to_llguidance(kind, source)
     except ValueError as e:  # GrammarError included

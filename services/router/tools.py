@@ -50,26 +50,33 @@ def _missing(param: str):
     return bad_request(f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
 
 
-def _parse_tool(i: int, tool: Any) -> Tool:
-    where = f"tools[{i}]"
-    if not isinstance(tool, dict):
-        raise invalid_type(where, "an object", tool)
-    kind = tool.get("type")
+def _field(obj: dict, key: str, where: str, kind: type, expected: str) -> Any:
+    """obj[key], which must be there and be a `kind` (`expected` names it in the 400)."""
+    value = obj.get(key)
+    if value is None:
+        raise _missing(f"{where}.{key}")
+    if not isinstance(value, kind):
+        raise invalid_type(f"{where}.{key}", expected, value)
+    return value
+
+
+def _function_type(obj: dict, where: str) -> None:
+    """obj["type"] must be "function", the one kind of tool OpenAI has."""
+    kind = obj.get("type")
     if kind is None:
         raise _missing(f"{where}.type")
     if kind != "function":
         raise bad_request(f"Invalid value for '{where}.type': {kind!r}. Supported values are: 'function'.",
                           param=f"{where}.type", code="invalid_value")
-    fn = tool.get("function")
-    if fn is None:
-        raise _missing(f"{where}.function")
-    if not isinstance(fn, dict):
-        raise invalid_type(f"{where}.function", "an object", fn)
-    name = fn.get("name")
-    if name is None:
-        raise _missing(f"{where}.function.name")
-    if not isinstance(name, str):
-        raise invalid_type(f"{where}.function.name", "a string", name)
+
+
+def _parse_tool(i: int, tool: Any) -> Tool:
+    where = f"tools[{i}]"
+    if not isinstance(tool, dict):
+        raise invalid_type(where, "an object", tool)
+    _function_type(tool, where)
+    fn = _field(tool, "function", where, dict, "an object")
+    name = _field(fn, "name", f"{where}.function", str, "a string")
     if not NAME_PATTERN.match(name):
         raise bad_request(
             f"Invalid '{where}.function.name': string does not match pattern. Expected a string that matches "
@@ -105,22 +112,9 @@ def _parse_choice(body: dict, names: list[str]) -> tuple[str, str | None]:
         return choice, None
     if not isinstance(choice, dict):
         raise invalid_type("tool_choice", "a string or an object", choice)
-    kind = choice.get("type")
-    if kind is None:
-        raise _missing("tool_choice.type")
-    if kind != "function":
-        raise bad_request(f"Invalid value for 'tool_choice.type': {kind!r}. Supported values are: 'function'.",
-                          param="tool_choice.type", code="invalid_value")
-    fn = choice.get("function")
-    if fn is None:
-        raise _missing("tool_choice.function")
-    if not isinstance(fn, dict):
-        raise invalid_type("tool_choice.function", "an object", fn)
-    name = fn.get("name")
-    if name is None:
-        raise _missing("tool_choice.function.name")
-    if not isinstance(name, str):
-        raise invalid_type("tool_choice.function.name", "a string", name)
+    _function_type(choice, "tool_choice")
+    fn = _field(choice, "function", "tool_choice", dict, "an object")
+    name = _field(fn, "name", "tool_choice.function", str, "a string")
     if names and name not in names:
         raise bad_request(
             f"Invalid value for 'tool_choice': no function named '{name}' was specified in 'tools' "
@@ -241,11 +235,7 @@ def check_tool_fields(message: dict[str, Any], where: str) -> dict[str, Any]:
     templates expect (they write it with tojson, as transformers documents)."""
     role = message.get("role")
     if role == "tool":
-        call_id = message.get("tool_call_id")
-        if call_id is None:
-            raise _missing(f"{where}.tool_call_id")
-        if not isinstance(call_id, str):
-            raise invalid_type(f"{where}.tool_call_id", "a string", call_id)
+        _field(message, "tool_call_id", where, str, "a string")
     calls = message.get("tool_calls")
     if calls is None:
         return message
@@ -259,23 +249,11 @@ def check_tool_fields(message: dict[str, Any], where: str) -> dict[str, Any]:
         at = f"{where}.tool_calls[{j}]"
         if not isinstance(call, dict):
             raise invalid_type(at, "an object", call)
-        for key in ("id", "type", "function"):
-            if call.get(key) is None:
-                raise _missing(f"{at}.{key}")
-        if not isinstance(call["id"], str):
-            raise invalid_type(f"{at}.id", "a string", call["id"])
-        if call["type"] != "function":
-            raise bad_request(f"Invalid value for '{at}.type': {call['type']!r}. Supported values are: 'function'.",
-                              param=f"{at}.type", code="invalid_value")
-        fn = call["function"]
-        if not isinstance(fn, dict):
-            raise invalid_type(f"{at}.function", "an object", fn)
-        for key in ("name", "arguments"):
-            if fn.get(key) is None:
-                raise _missing(f"{at}.function.{key}")
-        if not isinstance(fn["name"], str):
-            raise invalid_type(f"{at}.function.name", "a string", fn["name"])
-        args = fn["arguments"]
+        _field(call, "id", at, str, "a string")
+        _function_type(call, at)
+        fn = _field(call, "function", at, dict, "an object")
+        _field(fn, "name", f"{at}.function", str, "a string")
+        args = _field(fn, "arguments", f"{at}.function", object, "a string")
         if isinstance(args, str):
             try:
                 decoded = json.loads(args)

@@ -38,21 +38,13 @@ def router(tmp_path_factory):
         m.close()
 
 
-def _post(r, path: str, body: dict) -> dict:
-    return post_json(r.http_url, path, body, timeout=60)
-
-
-def _stream(r, path: str, body: dict) -> list[dict]:
-    return stream_events(r.http_url, path, body, timeout=60)
-
-
 def test_n_choices_are_seeded_reproducible_and_streamed_with_their_index(router):
     m, p, d, r = router
     body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 1.0, "seed": 1234,
             "n": 4}
     prompt_len = len(TOK.encode(body["prompt"]))
     before = p.metrics().get("pdmesh:prompt_tokens_total", 0.0)
-    out = _post(r, "/v1/completions", body)
+    out = post_json(r.http_url, "/v1/completions", body)
     texts = [c["text"] for c in sorted(out["choices"], key=lambda c: c["index"])]
     assert [c["index"] for c in sorted(out["choices"], key=lambda c: c["index"])] == [0, 1, 2, 3]
     assert len(set(texts)) > 1  # four different seeds
@@ -62,13 +54,13 @@ def test_n_choices_are_seeded_reproducible_and_streamed_with_their_index(router)
     # the four choices share one prefill, which computed the prompt once and copied its KV 3 times
     assert p.metrics()["pdmesh:prompt_tokens_total"] - before == prompt_len
 
-    again = _post(r, "/v1/completions", body)
+    again = post_json(r.http_url, "/v1/completions", body)
     assert [c["text"] for c in sorted(again["choices"], key=lambda c: c["index"])] == texts
     for i in range(4):
-        one = _post(r, "/v1/completions", {**body, "n": 1, "seed": 1234 + i})
+        one = post_json(r.http_url, "/v1/completions", {**body, "n": 1, "seed": 1234 + i})
         assert one["choices"][0]["text"] == texts[i]
 
-    events = _stream(r, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    events = stream_events(r.http_url, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
     streamed = ["", "", "", ""]
     finished = set()
     for ev in events:
@@ -80,11 +72,11 @@ def test_n_choices_are_seeded_reproducible_and_streamed_with_their_index(router)
     assert events[-1]["usage"]["completion_tokens"] == 48
 
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "seed": 9, "n": 3}
-    full = _post(r, "/v1/chat/completions", chat)
+    full = post_json(r.http_url, "/v1/chat/completions", chat)
     contents = [c["message"]["content"] for c in sorted(full["choices"], key=lambda c: c["index"])]
     deltas = ["", "", ""]
     roles = set()
-    for ev in _stream(r, "/v1/chat/completions", chat):
+    for ev in stream_events(r.http_url, "/v1/chat/completions", chat):
         for c in ev["choices"]:
             if c["delta"].get("role"):
                 roles.add(c["index"])
@@ -104,7 +96,7 @@ def test_controls_set_in_the_request_reach_both_workers(router):
         ({"logit_bias": {str(ord("z")): 6.0}}, dict(logit_bias=((ord("z"), 6.0),))),
     ]
     for request, kw in controls:
-        out = _post(r, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0,
+        out = post_json(r.http_url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0,
                                            "ignore_eos": True, **request})
         ref = generate_full(model.model, KVPool(model.config, 16, 16), [ids],
                             [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, **kw)])[0]

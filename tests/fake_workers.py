@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
+from services.common.lane_server import LaneServicerMixin
 from services.decode.jobs import Tokens, coalesce
 
 
@@ -74,6 +75,7 @@ class FakeWorker:
         self.server: grpc.aio.Server | None = None
         self.health = _FakeHealth()
         self.port = 0
+        self.lane = True
 
     @property
     def addr(self) -> str:
@@ -110,6 +112,13 @@ class FakeWorker:
 
     async def Abort(self, request, context):  # noqa: N802
         return wpb.AbortRoomReply(found=False)
+
+    async def Lane(self, request_iterator, context):  # noqa: N802
+        """The lane, as the real workers have it (services/common/lane_server.py); `lane = False`:
+        a worker without one (UNIMPLEMENTED, the router then makes one RPC per call)."""
+        if not self.lane:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        await LaneServicerMixin.Lane(self, request_iterator, context)
 
 
 class FakePrefill(FakeWorker, wpb_grpc.PrefillServicer):

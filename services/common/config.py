@@ -142,6 +142,9 @@ ROUTER_FLAGS = [
          "the shared secret itself; give it through the env twin (a flag shows in the process list)"),
     Flag("dns-refresh-interval", float, 5.0,
          "seconds between re-resolving worker names (a headless Service name stands for all its pods)"),
+    Flag("worker-lane", bool, True,
+         "send Prefill / Decode calls to each worker over one multiplexed stream (the lane) instead of "
+         "one gRPC call each (false: one call each; a worker without the lane gets that anyway)"),
     Flag("log-level", str, "info", "debug, info, warning or error"),
     Flag("log-format", str, "auto",
          "auto (human-readable lines when stderr is a terminal, JSON lines otherwise), console or json",

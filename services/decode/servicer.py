@@ -18,6 +18,7 @@ import grpc
 
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
+from services.common.lane_server import LaneServicerMixin
 from services.common.logging_setup import bound_room, get_logger
 from services.common.wire import parse_request, top_logprobs_pb
 from services.decode.jobs import coalesce
@@ -27,7 +28,7 @@ from services.transfer.state import DuplicateRoom
 log = get_logger("decode.rpc")
 
 
-class DecodeServicer(wpb_grpc.DecodeServicer):
+class DecodeServicer(LaneServicerMixin, wpb_grpc.DecodeServicer):
     def __init__(self, worker: DecodeWorker, keepalive_interval: float = 1.0):
         self.worker = worker
         self.keepalive_interval = keepalive_interval

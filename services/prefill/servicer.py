@@ -8,6 +8,7 @@ import grpc
 
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
+from services.common.lane_server import LaneServicerMixin
 from services.common.logging_setup import bound_room, get_logger
 from services.common.wire import parse_request, top_logprobs_pb
 from services.prefill.worker import PrefillWorker, RoomFailed
@@ -16,7 +17,7 @@ from services.transfer.state import DuplicateRoom
 log = get_logger("prefill.rpc")
 
 
-class PrefillServicer(wpb_grpc.PrefillServicer):
+class PrefillServicer(LaneServicerMixin, wpb_grpc.PrefillServicer):
     def __init__(self, worker: PrefillWorker):
         self.worker = worker
 

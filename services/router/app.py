@@ -87,6 +87,7 @@ class RouterSettings:
     max_migrations: int = 2
     stream_stall_timeout: float = 30.0
     dns_refresh_interval: float = 5.0
+    worker_lane: bool = True  # services/router/lane.py
     log_level: str = "info"
 
     @classmethod
@@ -157,6 +158,7 @@ class Router:
             timeout=settings.health_check_timeout,
             failure_threshold=settings.health_failure_threshold,
             dns_refresh_interval=settings.dns_refresh_interval,
+            lane=settings.worker_lane,
         )
         self.orchestrator = Orchestrator(self.pool, self.tokenizer.eos_token_ids,
                                          max_migrations=settings.max_migrations,

@@ -38,6 +38,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.grpc_server import internal_channel
+from services.router.lane import LaneStub
 from services.common.logging_setup import get_logger
 from services.common.metrics import Metrics
 from services.router.discovery import Resolver, resolve_specs, split_host_port, system_resolver
@@ -94,7 +95,9 @@ class WorkerPool:
         dns_refresh_interval: float = 5.0,
         resolver: Resolver = system_resolver,
         colocated: bool = False,
+        lane: bool = True,
     ):
+        self.lane = lane  # Prefill / Decode over each worker's lane (services/router/lane.py)
         self.colocated = colocated  # decode workers only: choose_pair returns (None, decode)
         self.specs = {"prefill": list(dict.fromkeys(prefill_addrs)), "decode": list(dict.fromkeys(decode_addrs))}
         for spec in (*self.specs["prefill"], *self.specs["decode"]):
@@ -128,6 +131,8 @@ class WorkerPool:
     def _connect(self, w: Worker) -> Worker:
         w.channel = internal_channel(w.addr, CHANNEL_OPTIONS)  # keep-alive, internal token
         w.stub = (wpb_grpc.PrefillStub if w.role == "prefill" else wpb_grpc.DecodeStub)(w.channel)
+        if self.lane:
+            w.stub = LaneStub(w.stub, w.addr)
         w.health = health_pb2_grpc.HealthStub(w.channel)
         self._set_gauge(w)
         return w
@@ -151,7 +156,7 @@ class WorkerPool:
             group[:] = keep
         for w in [w for w in self._retired if w.inflight == 0]:
             self._retired.remove(w)
-            await w.channel.close(grace=None)
+            await self._disconnect(w)
 
     def _retire(self, w: Worker) -> None:
         w.healthy = False
@@ -167,8 +172,14 @@ class WorkerPool:
             with contextlib.suppress(BaseException):
                 await t
         for w in [*self.workers, *self._retired]:
-            if w.channel is not None:
-                await w.channel.close(grace=None)
+            await self._disconnect(w)
+
+    @staticmethod
+    async def _disconnect(w: Worker) -> None:
+        if isinstance(w.stub, LaneStub):
+            await w.stub.lane.close()
+        if w.channel is not None:
+            await w.channel.close(grace=None)
 
     async def _loop(self) -> None:
         next_resolve = time.monotonic() + self.dns_refresh_interval

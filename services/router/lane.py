@@ -1,0 +1,348 @@
+"""The router's end of the lane: Prefill / Decode calls to one worker over one bidirectional stream.
+
+`LaneStub` stands where the worker's generated stub stood (`Worker.stub`): `Prefill(request,
+timeout=)` and `Decode(request, timeout=)` return call objects that behave as grpc.aio's do for
+the router's uses — a Prefill call is awaited for its reply, a Decode call is `read()` chunk by
+chunk until `grpc.aio.EOF`, both `cancel()`, and a failure raises `grpc.aio.AioRpcError` with
+the status the worker (or the lane) ended the call with. Everything else (Load, Abort) goes to
+the worker's own stub.
+
+Why: a new gRPC call costs grpc.aio 150-250 µs of the router's one core (call objects, the
+C-core's threads handing events to the loop); a message on an open stream costs a few µs and
+carries every call entry ready when it is written (docs/router.md "The lane"). The worker runs
+each call as the RPC of the same name (services/common/lane_server.py).
+
+Bounds, as with one RPC per call: each call has its deadline as a timer here (DEADLINE_EXCEEDED
+and a cancel entry; the worker holds the same timeout); the stream lives on the worker's
+keep-alive channel, and when it fails (worker gone, partition, keep-alive timeout) every call on
+it fails with the stream's status, UNAVAILABLE typically, and the next call opens a new stream.
+A worker without the Lane method (UNIMPLEMENTED) gets one RPC per call from then on, the calls
+already sent re-issued that way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+
+import grpc
+
+from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
+from services.common.grpc_server import TOKEN_KEY, internal_token
+from services.common.logging_setup import get_logger
+
+log = get_logger("router.lane")
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+_EMPTY = grpc.aio.Metadata()
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, _EMPTY, _EMPTY, details=details)
+
+
+class _Call:
+    """One call on a lane; subclasses give it grpc.aio's shape."""
+
+    def __init__(self, lane: Lane, cid: int, request, timeout: float | None) -> None:
+        self.lane, self.cid, self.request = lane, cid, request
+        self.done = False
+        loop = asyncio.get_running_loop()
+        self.deadline = None if timeout is None else loop.time() + timeout
+        self._timer = None if timeout is None else loop.call_at(self.deadline, self._expire)
+
+    def _expire(self) -> None:
+        self._timer = None
+        if not self.done:
+            self.lane.cancel(self)
+            self.fail(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+
+    def _over(self) -> None:
+        self.done = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def cancel(self) -> bool:
+        if self.done:
+            return False
+        self.lane.cancel(self)
+        self._over()
+        self._cancelled()
+        return True
+
+    def remaining(self) -> float | None:
+        return None if self.deadline is None else max(0.001, self.deadline - asyncio.get_running_loop().time())
+
+
+class LanePrefillCall(_Call):
+    """Awaitable for its PrefillReply, as grpc.aio's UnaryUnaryCall."""
+
+    def __init__(self, lane: Lane, cid: int, request, timeout: float | None) -> None:
+        super().__init__(lane, cid, request, timeout)
+        self._future = asyncio.get_running_loop().create_future()
+        self._future.add_done_callback(self._future_done)
+        self._rpc = None  # the per-call RPC it became on a worker without a lane
+
+    def _future_done(self, fut: asyncio.Future) -> None:
+        # the task awaiting this call was cancelled (which cancels the future): end the call too
+        if fut.cancelled() and not self.done:
+            self.lane.cancel(self)
+            self._over()
+            if self._rpc is not None:
+                self._rpc.cancel()
+
+    def __await__(self):
+        return self._future.__await__()
+
+    def deliver(self, reply: wpb.LaneReply) -> None:
+        kind = reply.WhichOneof("msg")
+        if kind == "prefill":
+            self._over()
+            if not self._future.done():
+                self._future.set_result(reply.prefill)
+        elif kind == "end":
+            self.fail(rpc_error(_CODES.get(reply.end.code, grpc.StatusCode.UNKNOWN), reply.end.details)
+                      if reply.end.code else rpc_error(grpc.StatusCode.INTERNAL, "Prefill call ended without a reply"))
+
+    def fail(self, error: BaseException) -> None:
+        self._over()
+        if not self._future.done():
+            self._future.set_exception(error)
+
+    def _cancelled(self) -> None:
+        if self._rpc is not None:
+            self._rpc.cancel()
+        self._future.cancel()
+
+    def fall_back(self, stub) -> None:
+        self._rpc = stub.Prefill(self.request, timeout=self.remaining())
+
+        def copy(rpc_task: asyncio.Future) -> None:
+            if self._future.done():
+                return
+            if rpc_task.cancelled():
+                self._future.cancel()
+            elif rpc_task.exception() is not None:
+                self._future.set_exception(rpc_task.exception())
+            else:
+                self._future.set_result(rpc_task.result())
+            self._over()
+
+        asyncio.ensure_future(self._rpc).add_done_callback(copy)
+
+
+class LaneDecodeCall(_Call):
+    """`read()` the chunks until grpc.aio.EOF, as grpc.aio's UnaryStreamCall."""
+
+    def __init__(self, lane: Lane, cid: int, request, timeout: float | None) -> None:
+        super().__init__(lane, cid, request, timeout)
+        self._chunks: collections.deque = collections.deque()
+        self._end: BaseException | object | None = None  # grpc.aio.EOF, an AioRpcError or CancelledError
+        self._waiter: asyncio.Future | None = None
+        self._pump: asyncio.Task | None = None
+
+    def read(self) -> asyncio.Future:
+        """A future of the next chunk (already done when one is queued): the router's per-chunk
+        wait costs no task."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        if self._chunks:
+            fut.set_result(self._chunks.popleft())
+        elif self._end is not None:
+            self._settle(fut, self._end)
+        else:
+            self._waiter = fut
+        return fut
+
+    @staticmethod
+    def _settle(fut: asyncio.Future, end) -> None:
+        if isinstance(end, asyncio.CancelledError):
+            fut.cancel()
+        elif isinstance(end, BaseException):
+            fut.set_exception(end)
+        else:
+            fut.set_result(end)
+
+    def _push(self, item) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(item)
+        else:
+            self._chunks.append(item)
+
+    def _finish(self, end) -> None:
+        if self._end is not None:
+            return
+        self._end = end
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            self._settle(waiter, end)
+
+    def deliver(self, reply: wpb.LaneReply) -> None:
+        kind = reply.WhichOneof("msg")
+        if kind == "chunk":
+            self._push(reply.chunk)
+        elif kind == "end":
+            self._over()
+            code = _CODES.get(reply.end.code, grpc.StatusCode.UNKNOWN)
+            self._finish(grpc.aio.EOF if code == grpc.StatusCode.OK else rpc_error(code, reply.end.details))
+
+    def fail(self, error: BaseException) -> None:
+        self._over()
+        self._finish(error)
+
+    def _cancelled(self) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
+        self._finish(asyncio.CancelledError())
+
+    def fall_back(self, stub) -> None:
+        rpc = stub.Decode(self.request, timeout=self.remaining())
+
+        async def pump() -> None:
+            try:
+                async for chunk in rpc:
+                    self._push(chunk)
+                self.fail(grpc.aio.EOF)  # type: ignore[arg-type] - the normal end
+            except grpc.aio.AioRpcError as e:
+                self.fail(e)
+            except asyncio.CancelledError:
+                rpc.cancel()
+                raise
+
+        self._pump = asyncio.ensure_future(pump())
+
+
+class Lane:
+    """One worker's lane: opened on the first call, re-opened by the first call after it failed."""
+
+    def __init__(self, open_stream, addr: str) -> None:
+        self._open_stream, self.addr = open_stream, addr
+        self._stream = None
+        self._calls: dict[int, _Call] = {}
+        self._ids = itertools.count(1)
+        self._out: list[wpb.LaneCall] = []
+        self._wake: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.supported = True  # False once the worker answered UNIMPLEMENTED
+        self.opened = 0  # streams opened (tests, logs)
+
+    def start(self, call: _Call, entry: wpb.LaneCall) -> None:
+        self._calls[call.cid] = call
+        self._send(entry)
+
+    def cancel(self, call: _Call) -> None:
+        if self._calls.pop(call.cid, None) is not None and self._stream is not None:
+            self._send(wpb.LaneCall(call=call.cid, cancel=True))
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def _send(self, entry: wpb.LaneCall) -> None:
+        if self._stream is None:
+            self._open()
+        self._out.append(entry)
+        self._wake.set()
+
+    def _open(self) -> None:
+        md = ((TOKEN_KEY, internal_token()),) if internal_token() else None
+        self._stream = stream = self._open_stream(metadata=md)
+        self._wake = asyncio.Event()
+        self.opened += 1
+        self._tasks = [asyncio.ensure_future(self._write_loop(stream, self._wake)),
+                       asyncio.ensure_future(self._read_loop(stream))]
+
+    async def _write_loop(self, stream, wake: asyncio.Event) -> None:
+        try:
+            while True:
+                await wake.wait()
+                wake.clear()
+                if self._stream is not stream:
+                    return
+                out, self._out = self._out, []
+                await stream.write(wpb.LaneUp(calls=out))
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+            return  # the stream ended: the read loop fails its calls
+
+    async def _read_loop(self, stream) -> None:
+        error: BaseException = rpc_error(grpc.StatusCode.UNAVAILABLE, f"lane to {self.addr} closed")
+        try:
+            while True:
+                msg = await stream.read()
+                if msg is grpc.aio.EOF:
+                    break
+                calls = self._calls
+                for reply in msg.replies:
+                    call = calls.get(reply.call)
+                    if call is not None:
+                        call.deliver(reply)
+                        if call.done:
+                            del calls[reply.call]
+        except grpc.aio.AioRpcError as e:
+            error = e
+        except asyncio.CancelledError:
+            error = rpc_error(grpc.StatusCode.CANCELLED, f"lane to {self.addr} closed")
+            raise
+        finally:
+            self._closed(stream, error)
+
+    def _closed(self, stream, error: BaseException) -> None:
+        """The stream ended: its calls fail with its status (or move to per-call RPCs)."""
+        if self._stream is not stream:
+            return
+        self._stream = None
+        self._out = []
+        self._wake.set()  # ends the write loop
+        calls, self._calls = list(self._calls.values()), {}
+        unimplemented = isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNIMPLEMENTED
+        if unimplemented:
+            self.supported = False
+            log.info("worker has no lane: one RPC per call", worker=self.addr)
+        elif calls:
+            log.warning("lane failed", worker=self.addr, calls=len(calls), error=str(error)[:300])
+        for call in calls:
+            if call.done:
+                continue
+            if unimplemented:
+                call.fall_back(self.fallback)
+            else:
+                call.fail(error)
+
+    async def close(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.cancel()
+        for t in self._tasks:
+            t.cancel()
+        for call in list(self._calls.values()):
+            call.fail(rpc_error(grpc.StatusCode.CANCELLED, "router closing"))
+        self._calls.clear()
+
+
+class LaneStub:
+    """The worker's stub with Prefill / Decode on its lane (`lane=False`: the stub itself)."""
+
+    def __init__(self, stub, addr: str) -> None:
+        self._stub = stub
+        self.lane = Lane(stub.Lane, addr)
+        self.lane.fallback = stub
+
+    def __getattr__(self, name):  # Load, Abort, and Prefill / Decode of a lane-less worker
+        return getattr(self._stub, name)
+
+    def Prefill(self, request: wpb.PrefillRequest, timeout: float | None = None):  # noqa: N802 - stub method
+        lane = self.lane
+        if not lane.supported:
+            return self._stub.Prefill(request, timeout=timeout)
+        call = LanePrefillCall(lane, lane.next_id(), request, timeout)
+        lane.start(call, wpb.LaneCall(call=call.cid, prefill=request, timeout=timeout or 0.0))
+        return call
+
+    def Decode(self, request: wpb.DecodeRequest, timeout: float | None = None):  # noqa: N802 - stub method
+        lane = self.lane
+        if not lane.supported:
+            return self._stub.Decode(request, timeout=timeout)
+        call = LaneDecodeCall(lane, lane.next_id(), request, timeout)
+        lane.start(call, wpb.LaneCall(call=call.cid, decode=request, timeout=timeout or 0.0))
+        return call

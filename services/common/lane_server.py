@@ -130,7 +130,9 @@ class _LaneStream:
         chunks = self.servicer.Decode(request, _CONTEXT)
         try:
             async for chunk in chunks:
-                await self.emit(wpb.LaneReply(call=call, chunk=chunk))
+                # the message's future is shared by every call in it: cancelling this call while
+                # it waits must not cancel the others' wait (await the future itself and it would)
+                await asyncio.shield(self.emit(wpb.LaneReply(call=call, chunk=chunk)))
             self.emit(_end(call, grpc.StatusCode.OK))
         except LaneAbort as e:
             self.emit(_end(call, e.code, e.details))
@@ -157,7 +159,7 @@ class _LaneStream:
                 await asyncio.wait(list(self.tasks.values()))
             for batch in (self.writing, self.batch):
                 if batch is not None:
-                    await batch
+                    await asyncio.shield(batch)
         finally:
             for task in list(self.tasks.values()):
                 task.cancel()

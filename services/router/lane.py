@@ -47,6 +47,7 @@ class _Call:
     def __init__(self, lane: Lane, cid: int, request, timeout: float | None) -> None:
         self.lane, self.cid, self.request = lane, cid, request
         self.done = False
+        self.finished = False  # Decode: the chunk with the finish reason is in, the worker's call is over
         loop = asyncio.get_running_loop()
         self.deadline = None if timeout is None else loop.time() + timeout
         self._timer = None if timeout is None else loop.call_at(self.deadline, self._expire)
@@ -66,7 +67,9 @@ class _Call:
     def cancel(self) -> bool:
         if self.done:
             return False
-        self.lane.cancel(self)
+        # a Decode call whose last chunk is in ends on the worker by itself: cancelling it there
+        # would only abort a room that is already done
+        self.lane.cancel(self, tell_worker=not self.finished)
         self._over()
         self._cancelled()
         return True
@@ -183,6 +186,8 @@ class LaneDecodeCall(_Call):
         kind = reply.WhichOneof("msg")
         if kind == "chunk":
             self._push(reply.chunk)
+            if reply.chunk.finish_reason:
+                self.finished = True
         elif kind == "end":
             self._over()
             code = _CODES.get(reply.end.code, grpc.StatusCode.UNKNOWN)
@@ -232,8 +237,8 @@ class Lane:
         self._calls[call.cid] = call
         self._send(entry)
 
-    def cancel(self, call: _Call) -> None:
-        if self._calls.pop(call.cid, None) is not None and self._stream is not None:
+    def cancel(self, call: _Call, tell_worker: bool = True) -> None:
+        if self._calls.pop(call.cid, None) is not None and self._stream is not None and tell_worker:
             self._send(wpb.LaneCall(call=call.cid, cancel=True))
 
     def next_id(self) -> int:

@@ -222,8 +222,11 @@ class LaneDecodeCall(_Call):
 class Lane:
     """One worker's lane: opened on the first call, re-opened by the first call after it failed."""
 
-    def __init__(self, open_stream, addr: str) -> None:
+    def __init__(self, open_stream, addr: str, on_failure=None) -> None:
         self._open_stream, self.addr = open_stream, addr
+        # called with the status when the stream fails: the lane is a connection held open to the
+        # worker, so a worker that dies is noticed at once (the pool probes it), calls or not
+        self._on_failure = on_failure
         self._stream = None
         self._calls: dict[int, _Call] = {}
         self._ids = itertools.count(1)
@@ -304,8 +307,11 @@ class Lane:
         if unimplemented:
             self.supported = False
             log.info("worker has no lane: one RPC per call", worker=self.addr)
-        elif calls:
-            log.warning("lane failed", worker=self.addr, calls=len(calls), error=str(error)[:300])
+        else:
+            if calls:
+                log.warning("lane failed", worker=self.addr, calls=len(calls), error=str(error)[:300])
+            if self._on_failure is not None and isinstance(error, grpc.aio.AioRpcError):
+                self._on_failure(error.code())
         for call in calls:
             if call.done:
                 continue
@@ -328,9 +334,9 @@ class Lane:
 class LaneStub:
     """The worker's stub with Prefill / Decode on its lane (`lane=False`: the stub itself)."""
 
-    def __init__(self, stub, addr: str) -> None:
+    def __init__(self, stub, addr: str, on_failure=None) -> None:
         self._stub = stub
-        self.lane = Lane(stub.Lane, addr)
+        self.lane = Lane(stub.Lane, addr, on_failure)
         self.lane.fallback = stub
 
     def __getattr__(self, name):  # Load, Abort, and Prefill / Decode of a lane-less worker

@@ -132,7 +132,7 @@ class WorkerPool:
         w.channel = internal_channel(w.addr, CHANNEL_OPTIONS)  # keep-alive, internal token
         w.stub = (wpb_grpc.PrefillStub if w.role == "prefill" else wpb_grpc.DecodeStub)(w.channel)
         if self.lane:
-            w.stub = LaneStub(w.stub, w.addr)
+            w.stub = LaneStub(w.stub, w.addr, on_failure=lambda code, w=w: self.report_failure(w, code))
         w.health = health_pb2_grpc.HealthStub(w.channel)
         self._set_gauge(w)
         return w

@@ -294,3 +294,22 @@ def test_cancelling_one_call_leaves_the_others_on_the_lane_alone():
         assert d.seen.cancelled == 4
 
     run_with(fn)
+
+
+def test_a_worker_that_dies_is_reported_by_its_idle_lane():
+    """The lane is a connection held open: the pool hears of a killed worker at once, before any
+    request of its own fails there (it then probes the worker and ejects it)."""
+
+    async def main():
+        p = FakePrefill()
+        await p.start()
+        reported: list[grpc.StatusCode] = []
+        async with grpc.aio.insecure_channel(p.addr) as ch:
+            stub = LaneStub(wpb_grpc.PrefillStub(ch), p.addr, on_failure=reported.append)
+            assert (await stub.Prefill(prefill_request(1), timeout=5)).room == 1
+            await p.stop()
+            await wait_until(lambda: reported == [grpc.StatusCode.UNAVAILABLE])
+            await stub.lane.close()  # the router's own close is not a failure
+            assert reported == [grpc.StatusCode.UNAVAILABLE]
+
+    asyncio.run(main())

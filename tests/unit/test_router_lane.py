@@ -313,3 +313,33 @@ def test_a_worker_that_dies_is_reported_by_its_idle_lane():
             assert reported == [grpc.StatusCode.UNAVAILABLE]
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("how", ["flag_off", "workers_without_lane"])
+def test_router_without_the_lane_serves_and_fails_over_the_same(how):
+    """One RPC per call (--worker-lane false, or workers that have no Lane method): the same
+    answers, and a failing decode still fails over before the first byte."""
+    from tests.unit.test_router_app import Cluster, completion, post, sse_payloads
+
+    c = Cluster(n_decode=2, **({"worker_lane": False} if how == "flag_off" else {}))
+    try:
+        if how == "workers_without_lane":
+            for w in (*c.prefills, *c.decodes):
+                w.lane = False
+        r = post(c, "/v1/completions", completion(max_tokens=5))
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == "Hello"
+        c.decodes[0].behaviour.mode = c.decodes[1].behaviour.mode = "fail"
+        c.decodes[0].behaviour.times = c.decodes[1].behaviour.times = 1
+        r = post(c, "/v1/completions", completion(max_tokens=5, stream=True))
+        assert r.status_code == 200, r.text
+        events = sse_payloads(r.text)
+        assert "".join(e["choices"][0]["text"] for e in events if e.get("choices")) == "Hello"
+        stubs = [w.stub for w in c.router.pool.workers]
+        if how == "flag_off":
+            assert not any(hasattr(s, "lane") for s in stubs)
+        else:
+            assert all(not s.lane.supported for s in stubs if s.lane.opened)
+            assert not c.prefills[0].seen.active and sum(s.lane.opened for s in stubs) >= 2
+    finally:
+        c.close()

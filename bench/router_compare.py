@@ -9,7 +9,9 @@
   does (PDMESH_FAKE_COALESCE=0: one token per chunk); `decode_tokens_per_chunk` says how many
   a chunk carried on average.
 - with `--floor`, **bench/router_floor.py**: uvicorn + grpc.aio doing only the HTTP exchange and
-  the two RPCs per request — the least any router on this stack costs (non-streamed cases).
+  the two calls per request (non-streamed cases), as two sides: `floor` with one gRPC call
+  each, `floor_lane` with both over the lane as the router sends them — the least a router on
+  this stack costs with each transport.
 - The same load generator for both: **wrk** (Debian package `wrk`) with a Lua script that POSTs
   the same `/v1/completions` body, in its own process.
 
@@ -233,7 +235,7 @@ def main() -> int:
     if args.baseline:
         sides.append("baseline")
     if args.floor:
-        sides.append("floor")
+        sides += ["floor", "floor_lane"]
     sgl_py = ensure_sglang() if "sglang" in sides else None
     load_before = [round(x, 2) for x in os.getloadavg()]
 
@@ -273,17 +275,20 @@ def main() -> int:
                                                 "--prefill", f"127.0.0.1:{bp}", "--decode", f"127.0.0.1:{bd}",
                                                 "--policy", "round_robin"], router_core, root)
                 urls["baseline"] = f"http://127.0.0.1:{br}"
-            if "floor" in sides:
+            for floor in ("floor", "floor_lane"):
+                if floor not in sides:
+                    continue
                 fp, fd, fr = free_port(), free_port(), free_port()
                 for role, port in (("prefill", fp), ("decode", fd)):
-                    procs.start(f"floor-fake-{role}", [sys.executable, __file__, "--serve-fake-grpc", role,
-                                                       str(port)], other_cores)
-                procs.start("floor", [sys.executable, "bench/router_floor.py", "--port", str(fr), "--prefill",
-                                      f"127.0.0.1:{fp}", "--decode", f"127.0.0.1:{fd}"], router_core)
-                urls["floor"] = f"http://127.0.0.1:{fr}"
+                    procs.start(f"{floor}-fake-{role}", [sys.executable, __file__, "--serve-fake-grpc", role,
+                                                         str(port)], other_cores)
+                procs.start(floor, [sys.executable, "bench/router_floor.py", "--port", str(fr), "--prefill",
+                                    f"127.0.0.1:{fp}", "--decode", f"127.0.0.1:{fd}",
+                                    *(["--lane"] if floor == "floor_lane" else [])], router_core)
+                urls[floor] = f"http://127.0.0.1:{fr}"
             for side, url in urls.items():
                 wait_http(url + "/v1/completions", 60, f"{side} router", post=body(1, False).encode())
-                if side == "floor":
+                if side.startswith("floor"):
                     continue
                 got = stream_tokens(url + "/v1/completions", args.stream_tokens)
                 if got != args.stream_tokens:
@@ -295,7 +300,7 @@ def main() -> int:
             for name, conns, max_tokens, stream in cases:
                 script = tmp / f"{name}.lua"
                 script.write_text(LUA % body(max_tokens, stream))
-                measured = [side for side in urls if not (stream and side == "floor")]  # the floor: JSON only
+                measured = [side for side in urls if not (stream and side.startswith("floor"))]  # floors: JSON only
                 runs: dict[str, list[dict]] = {s: [] for s in measured}
                 for side in measured:  # warm-up: connections and lazily built paths
                     run_wrk(wrk, urls[side] + "/v1/completions", script, conns, 1, other_cores, pin)
@@ -316,8 +321,9 @@ def main() -> int:
                 case = {"concurrency": conns, "max_tokens": max_tokens, "stream": stream}
                 for side in measured:
                     case[side] = {"median": median_of(runs[side]), "runs": runs[side]}
-                for a, b in (("pdmesh", "sglang"), ("baseline", "sglang"), ("floor", "sglang"), ("pdmesh", "baseline"),
-                             ("pdmesh", "floor")):
+                for a, b in (("pdmesh", "sglang"), ("baseline", "sglang"), ("floor", "sglang"),
+                             ("floor_lane", "sglang"), ("pdmesh", "baseline"), ("pdmesh", "floor"),
+                             ("pdmesh", "floor_lane")):
                     if a in case and b in case:
                         p, s = case[a]["median"], case[b]["median"]
                         case[f"ratio_{a}_over_{b}"] = {
@@ -338,7 +344,9 @@ def main() -> int:
                       f"real one does: {os.environ.get('PDMESH_FAKE_COALESCE', '1') == '1'}",
             "baseline": f"the router and fake workers of {args.baseline}" if args.baseline else None,
             "floor": "bench/router_floor.py: uvicorn + grpc.aio, Prefill + Decode per request and nothing else, "
-                     "in front of its own instant fake gRPC workers (non-streamed cases only)",
+                     "one gRPC call each, in front of its own instant fake gRPC workers (non-streamed cases only)",
+            "floor_lane": "bench/router_floor.py --lane: the same with both calls over the lane (one stream per "
+                          "worker, as the router sends them)",
             "load_generator": "wrk -t 1, Lua POST body, its own process",
             "pinning": (f"taskset: router under test on core {router_core}; wrk and fake workers on cores "
                         f"{other_cores}") if pin else "none",

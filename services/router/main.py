@@ -55,6 +55,7 @@ def main(argv=None) -> None:
     )
     # What exists by now (modules, the tokenizer, the app) lives as long as the process: frozen, it
     # is out of the cyclic garbage collector's sight, whose collections otherwise walk all of it
-    # again and again under load (measured: ~15% more requests/s, non-streamed, wrk c=32).
+    # again and again under load (measured, non-streamed at c=32: their CPU fell from ~8% of the
+    # router's to under 1%).
     gc.freeze()
     uvicorn.Server(config).run()

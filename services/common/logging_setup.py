@@ -3,11 +3,11 @@ bound through contextvars."""
 
 from __future__ import annotations
 
-import contextlib
+import contextvars
 import logging
 import os
 import sys
-from typing import TextIO
+from typing import Any, TextIO
 
 import structlog
 
@@ -70,6 +70,8 @@ def configure_logging(level: str = "info", fmt: str | None = None, **static) -> 
         logger_factory=structlog.PrintLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )
+    global _generation
+    _generation += 1  # every Logger rebuilds its bound logger from this configuration
     structlog.contextvars.clear_contextvars()
     if static:
         structlog.contextvars.bind_contextvars(**static)
@@ -83,12 +85,57 @@ def _colors(stream: TextIO) -> bool:
         return False
 
 
-def get_logger(name: str | None = None):
-    return structlog.get_logger(name)
+# configure_logging() calls so far: a Logger whose bound logger is from an older one rebuilds it
+_generation = 0
 
 
-@contextlib.contextmanager
-def bound_room(room: int):
+class Logger:
+    """structlog's logger, assembled once per configuration. structlog.get_logger()'s lazy proxy
+    (with cache_logger_on_first_use off, so that reconfiguring still reaches module-level loggers)
+    assembles a new bound logger — logger factory, wrapper, context — for every call (about a
+    tenth of a log call's CPU, measured). This one keeps it until configure_logging() runs again."""
+
+    __slots__ = ("_name", "_bound", "_generation")
+
+    def __init__(self, name: str | None = None):
+        self._name = name
+        self._bound: Any = None
+        self._generation = -1
+
+    def __getattr__(self, attr: str) -> Any:
+        # only for what the slots do not have: the logging methods, bind(), ...
+        if self._generation != _generation:
+            self._bound = structlog.get_logger(self._name).bind()
+            self._generation = _generation
+        return getattr(self._bound, attr)
+
+
+def get_logger(name: str | None = None) -> Logger:
+    return Logger(name)
+
+
+class bound_contextvars:  # noqa: N801 - a drop-in for structlog's function of the same name
+    """structlog.contextvars.bound_contextvars, without reading the whole context (it copies all of
+    it to save the values it overrides): binds the keys, then puts back exactly what they were —
+    their earlier value, or unset — from the tokens binding returned."""
+
+    __slots__ = ("_values", "_tokens")
+
+    def __init__(self, **values: Any):
+        self._values = values
+        self._tokens: Any = ()
+
+    def __enter__(self) -> None:
+        self._tokens = structlog.contextvars.bind_contextvars(**self._values).values()
+
+    def __exit__(self, *exc: object) -> None:
+        for token in self._tokens:
+            # set, not reset: the same outcome even when the context is no longer the one bound in
+            old = token.old_value
+            token.var.set(... if old is contextvars.Token.MISSING else old)  # ...: structlog's "unset"
+        self._tokens = ()
+
+
+def bound_room(room: int) -> bound_contextvars:
     """Every log line inside carries room and request_id (the same 63-bit id)."""
-    with structlog.contextvars.bound_contextvars(room=room, request_id=f"{room:x}"):
-        yield
+    return bound_contextvars(room=room, request_id=f"{room:x}")

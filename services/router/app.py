@@ -39,7 +39,7 @@ from services.common.metrics import CONTENT_TYPE, Metrics
 from services.common.tokenizer import BUILTIN_NAMES, Tokenizer, load_tokenizer
 from services.router import errors, openapi
 from services.router.errors import APIError
-from services.router.fanout import FanIn, PrefillShare
+from services.router.fanout import FanIn, PrefillShare, Single
 from services.router.fastpath import RouterApp
 from services.router.orchestrator import Orchestrator, new_room
 from services.router.output import TokenStrings
@@ -281,12 +281,17 @@ class _Run:
         self.states = [ResponseState(spec, router.tokenizer, router.token_strings, rid, index=i)
                        for i in range(spec.n)]
         self.state = self.states[0]
-        share = PrefillShare(new_room()) if spec.n > 1 else None
-        self.fan = FanIn([
-            router.orchestrator.generate(self._choice_spec(i), deadline, router.settings.request_timeout,
-                                         first_room=request_id if i == 0 else None, share=share)
-            for i in range(spec.n)
-        ])
+        timeout = router.settings.request_timeout
+        if spec.n == 1:
+            gen = router.orchestrator.generate(self._choice_spec(0), deadline, timeout, first_room=request_id)
+            self.fan: FanIn | Single = FanIn([gen]) if spec.stream else Single(gen)
+        else:
+            share = PrefillShare(new_room())
+            self.fan = FanIn([
+                router.orchestrator.generate(self._choice_spec(i), deadline, timeout,
+                                             first_room=request_id if i == 0 else None, share=share)
+                for i in range(spec.n)
+            ])
         self.last_token_at: list[float | None] = [None] * spec.n
         self.ttft: float | None = None
         self._ended: set[int] = set()  # choices whose last chunk (with a finish reason) was read

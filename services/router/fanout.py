@@ -74,3 +74,31 @@ class FanIn:
                 await self._tasks[i]
             with contextlib.suppress(BaseException):
                 await self.gens[i].aclose()  # type: ignore[attr-defined]
+
+
+class Single:
+    """FanIn's interface over one generator, read in the caller's task: for a non-streamed request
+    with n = 1, where nothing reads ahead of the caller anyway (a stream keeps FanIn, whose pump
+    reads ahead so that chunks already in hand go out in one write), it saves a task and a queue
+    per request. Closing, errors and cancellation reach the generator as they do through FanIn."""
+
+    def __init__(self, gen: AsyncIterator[Chunk]):
+        self.gen = gen
+        self._ended = False
+
+    async def next(self) -> tuple[int, Chunk | None]:
+        """As FanIn.next() for choice 0."""
+        if self._ended:
+            await asyncio.get_running_loop().create_future()  # as FanIn: nothing more ever comes
+        try:
+            return 0, await self.gen.__anext__()
+        except StopAsyncIteration:
+            self._ended = True
+            return 0, None
+
+    def next_nowait(self) -> tuple[int, Chunk | None] | None:
+        return None  # nothing is read ahead
+
+    async def close(self, index: int | None = None) -> None:
+        with contextlib.suppress(BaseException):
+            await self.gen.aclose()  # type: ignore[attr-defined]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import uvicorn
@@ -52,4 +53,9 @@ def main(argv=None) -> None:
         timeout_keep_alive=75,
         timeout_graceful_shutdown=5,
     )
+    # What exists by now (modules, the tokenizer, the app) lives as long as the process: frozen, it
+    # is out of the cyclic garbage collector's sight, whose collections otherwise walk all of it
+    # again and again under load (measured, non-streamed at c=32: their CPU fell from ~8% of the
+    # router's to under 1%).
+    gc.freeze()
     uvicorn.Server(config).run()

@@ -32,9 +32,8 @@ from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
 import grpc
-import structlog
 
-from services.common.logging_setup import get_logger
+from services.common.logging_setup import bound_contextvars, get_logger
 from services.common.metrics import Metrics
 from services.common.sampling_params import SamplingParams
 from services.common.wire import params_to_pb
@@ -206,7 +205,7 @@ class Orchestrator:
                 ids, params = progress.ids(), params_to_pb(progress.params(base))
                 # Not bound around the yields below: the caller may resume this generator from
                 # another task, where resetting a context variable set here would fail.
-                with structlog.contextvars.bound_contextvars(room=room):
+                with bound_contextvars(room=room):
                     try:
                         attempt = Attempt(self.pool, self.reap, prefill, decode, room, ids, params, deadline,
                                           self.stall_timeout, share_key)

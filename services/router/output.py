@@ -52,7 +52,8 @@ class OutputText:
         skip_special_tokens: bool = True,
     ):
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
-        self._matcher = StopMatcher(stop)
+        # most requests have no stop strings: no matcher then (it is made per choice, per request)
+        self._matcher = StopMatcher(stop) if any(stop) else None
         self._text = ""  # everything detokenized so far (after a stop: cut at the stop string)
         self._sent = 0  # self._text[:_sent] has been released to the client
         self.stopped = False  # a stop string matched
@@ -78,7 +79,7 @@ class OutputText:
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
-        if self._matcher.stops:
+        if self._matcher is not None:
             # A match can only start in the unreleased part: released text never holds a stop prefix.
             at = self._matcher.find(self._text, self._sent)
             if at != -1:

@@ -38,11 +38,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.grpc_server import internal_channel
-from services.router.lane import LaneStub
 from services.common.logging_setup import get_logger
 from services.common.metrics import Metrics
 from services.router.discovery import Resolver, resolve_specs, split_host_port, system_resolver
 from services.router.errors import no_healthy_workers
+from services.router.lane import LaneStub
 from services.router.policy import make_policy
 
 log = get_logger("router.pool")

@@ -225,6 +225,8 @@ def _check_min_tokens(kw: dict, max_tokens: int) -> None:
 
 def _stop(body: dict, vocab_size: int) -> tuple[list[str], list[int]]:
     stop = body.get("stop")
+    if stop is None and body.get("stop_token_ids") is None:
+        return [], []  # the usual request: nothing to check
     if stop is None:
         strings: list[str] = []
     elif isinstance(stop, str):

@@ -50,6 +50,17 @@ class LaneContext:
 
 _CONTEXT = LaneContext()
 
+# The process is stopping (graceful stop): a call that arrives on a lane already open gets
+# UNAVAILABLE at once, as a new RPC does once the gRPC server stops, so the router fails it over
+# right away instead of its running into the end of the stop's grace period. One worker per process.
+_refusing = ""
+
+
+def refuse_new_calls(reason: str) -> None:
+    """From now on, answer every new lane call with UNAVAILABLE: `reason` ("" accepts again)."""
+    global _refusing
+    _refusing = reason
+
 
 def _end(call: int, code: grpc.StatusCode, details: str = "") -> wpb.LaneReply:
     return wpb.LaneReply(call=call, end=wpb.LaneEnd(code=code.value[0], details=details))
@@ -94,6 +105,9 @@ class _LaneStream:
             task = self.tasks.get(entry.call)
             if task is not None:
                 task.cancel()
+            return
+        if _refusing:
+            self.emit(_end(entry.call, grpc.StatusCode.UNAVAILABLE, _refusing))
             return
         if entry.call in self.tasks:
             self.emit(_end(entry.call, grpc.StatusCode.ALREADY_EXISTS, f"lane call {entry.call} is in progress"))

@@ -20,6 +20,7 @@ from services.common.config import DecodeSettings, PrefillSettings
 from services.common.faults import Faults
 from services.common.forward_watch import watch_forwards
 from services.common.grpc_server import bind, new_server
+from services.common.lane_server import refuse_new_calls
 from services.common.logging_setup import configure_logging, get_logger
 from services.common.metrics import Metrics
 from services.common.periodic import run_every
@@ -104,6 +105,7 @@ async def run_worker(w: WorkerParts) -> None:
         forward_timeout=forward_timeout,
     )
     await install_stop_signals().wait()
+    refuse_new_calls(f"{w.role} worker stopping")  # calls on open lanes, as the server does new RPCs
     log.info(f"{w.role} worker stopping")
     await state.problem("stopping", "graceful stop")
     await server.stop(grace=2)

@@ -272,6 +272,10 @@ class Lane:
                 await stream.write(wpb.LaneUp(calls=out))
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
             return  # the stream ended: the read loop fails its calls
+        except Exception as e:  # noqa: BLE001 - a lane that cannot write must not hold its calls
+            log.exception("lane write failed", worker=self.addr)
+            self._closed(stream, rpc_error(grpc.StatusCode.UNAVAILABLE, f"lane to {self.addr}: write failed: {e!r}"))
+            stream.cancel()
 
     async def _read_loop(self, stream) -> None:
         error: BaseException = rpc_error(grpc.StatusCode.UNAVAILABLE, f"lane to {self.addr} closed")

@@ -360,3 +360,72 @@ def test_two_by_two_kill_one_of_each_under_load(mesh):
         if not ok and e >= t_kill:
             assert '"error"' in detail and ('"worker_failure"' in detail or '"no_healthy_workers"' in detail), detail
     mesh.assert_invariants()  # the survivors hold nothing for the dead peers
+
+
+# --- a decode's graceful stop (SIGTERM) under load ---------------------------------------------------------
+
+
+def test_graceful_stop_of_a_decode_under_load_costs_clients_nothing(mesh):
+    """SIGTERM: the decode turns NOT_SERVING and its gRPC server refuses new calls — also the ones
+    that arrive on a lane the router already has open (UNAVAILABLE at once, not at the end of the
+    stop's grace), so those fail over and the streams it was running migrate: every request
+    succeeds, none waits out the grace period, and the survivors' queues and pages end whole."""
+    import signal
+
+    p = mesh.start_prefill(*PREFILL_FLAGS, wait=False)
+    ds = [mesh.start_decode(*DECODE_FLAGS, wait=False) for _ in range(2)]
+    for w in (p, *ds):
+        mesh.wait_healthy(w)
+    r = mesh.start_router([p], ds, *ROUTER_FLAGS, "--request-timeout", "20")
+    lock = threading.Lock()
+    results: list[tuple[float, float, bool, str]] = []
+    stop = threading.Event()
+
+    def client_loop(i: int) -> None:
+        with httpx.Client(base_url=r.http_url, timeout=30) as client:
+            n = 0
+            while not stop.is_set():
+                n += 1
+                stream = (n + i) % 2 == 0
+                body = {"model": MODEL, "prompt": f"client {i} request {n}", "max_tokens": 24,
+                        "ignore_eos": True, "stream": stream}
+                t0 = time.monotonic()
+                try:
+                    resp = client.post("/v1/completions", json=body)
+                    ok = resp.status_code == 200 and (not stream or ('"error"' not in resp.text
+                                                                     and resp.text.endswith("data: [DONE]\n\n")))
+                    detail = f"{resp.status_code} {resp.text[-400:]}"
+                except httpx.HTTPError as e:
+                    ok, detail = False, repr(e)
+                with lock:
+                    results.append((t0, time.monotonic(), ok, detail))
+
+    def successes_since(t: float) -> int:
+        with lock:
+            return sum(1 for s, _, ok, _ in results if ok and s >= t)
+
+    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: successes_since(0) >= 8, 60, "load to flow through both decodes")
+        t_term = time.monotonic()
+        ds[0].popen.send_signal(signal.SIGTERM)
+        ds[0].popen.wait(timeout=30)
+        wait_for(lambda: successes_since(t_term + 0.5) >= 12, 60, "requests to keep succeeding on the other decode")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(40)
+    assert not any(t.is_alive() for t in threads)
+    failed = [detail for _, _, ok, detail in results if not ok]
+    assert not failed, f"requests failed across the graceful stop: {failed[:3]}"
+    started_after = [e - s for s, e, _, _ in results if s >= t_term + 0.5]
+    # sent once the stop was under way: refused at once and failed over, never held for the 2 s grace
+    assert started_after and max(started_after) < 2.0, max(started_after)
+    assert ds[0].popen.returncode == 0, ds[0].log()[-2000:]
+    # once stopping, the decode took no new room (the router's calls were refused, not run)
+    log = ds[0].log()
+    after_stop = log[log.index("decode worker stopping"):]
+    assert '"decode request"' not in after_stop, after_stop[:2000]
+    mesh.assert_invariants()

@@ -343,3 +343,25 @@ def test_router_without_the_lane_serves_and_fails_over_the_same(how):
             assert not c.prefills[0].seen.active and sum(s.lane.opened for s in stubs) >= 2
     finally:
         c.close()
+
+
+def test_a_stopping_worker_refuses_new_calls_on_an_open_lane():
+    """During a graceful stop the gRPC server refuses new RPCs; an open lane must refuse new
+    calls the same way (UNAVAILABLE at once), while the calls already running go on."""
+    from services.common import lane_server
+
+    async def fn(p, d, ps, ds):
+        d.behaviour.token_delay = 0.05
+        running = ds.Decode(decode_request(1), timeout=10)
+        await running.read()
+        lane_server.refuse_new_calls("decode worker stopping")
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await read_all(ds.Decode(decode_request(2), timeout=10))
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "stopping" in e.value.details()
+            assert sum(len(c.token_ids) for c in await read_all(running)) == 3
+        finally:
+            lane_server.refuse_new_calls("")
+        assert ds.lane.opened == 1
+
+    run_with(fn)

@@ -468,6 +468,10 @@ class _Run:
                     got = await self.next()
                 index, chunk = got
                 state = self.states[index]
+                if state.finished:
+                    # read before the stream began (while waiting for every choice's first chunk),
+                    # after a stop string this choice's earlier chunk held: dropped, as next() would
+                    continue
                 # one event per token, whatever decode's chunking; the last one carries the finish reason
                 for text, entries, finish_reason in self.feed(index, chunk, each=True):
                     event = state.delta_event(text, entries, finish_reason)

@@ -149,3 +149,21 @@ def test_migration_resumes_after_the_last_token_of_a_multi_token_chunk(cluster, 
     assert len(moved.token_ids) == PROMPT_LEN + 4  # chunks [3], [1] then the failure
     assert moved.params.max_tokens == 6 and moved.params.num_generated == 4
     cluster.all_rpcs_ended()
+
+
+def test_chunks_read_before_the_stream_began_stop_at_the_stop_string(cluster):
+    """While the router waits for every choice's first chunk, a fast choice may already have sent
+    its stop string and more: what follows the stop is dropped there too (one finish event per
+    choice, usage counting tokens up to the stop), as when the chunks come after the stream began."""
+    body = chat(max_tokens=30, stop=["d!"], stream=True, stream_options={"include_usage": True})
+    one = sse_payloads(post(cluster, "/v1/chat/completions", body).text)
+    per_choice = one[-1]["usage"]["completion_tokens"]
+    cluster.decodes[1].behaviour.delay = 0.5  # choice 1's first chunk comes after all of choice 0's
+    events = sse_payloads(post(cluster, "/v1/chat/completions", {**body, "n": 2}).text)
+    finishes = [e["choices"][0]["index"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert sorted(finishes) == [0, 1], events
+    assert events[-1]["usage"]["completion_tokens"] == 2 * per_choice
+    texts = ["".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                     if e["choices"] and e["choices"][0]["index"] == i) for i in (0, 1)]
+    assert texts[0] == texts[1] == "".join(e["choices"][0]["delta"].get("content") or "" for e in one if e["choices"])
+    cluster.all_rpcs_ended()

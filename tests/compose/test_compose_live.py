@@ -74,7 +74,10 @@ def test_1_chat_through_the_containers_equals_the_local_mesh(stack, tmp_path):
         timeout=60,
     )
     assert r.status_code == 200, r.text
-    assert r.json()["usage"]["completion_tokens"] == 16
+    # the curl samples (temperature 1, a random seed): the model may end the text before 16 tokens
+    out = r.json()
+    n, finish = out["usage"]["completion_tokens"], out["choices"][0]["finish_reason"]
+    assert 1 <= n <= 16 and finish in ("length", "stop") and (finish == "stop" or n == 16), out
     in_containers = chat(router)
     assert in_containers.status_code == 200, in_containers.text
 

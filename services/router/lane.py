@@ -222,8 +222,9 @@ class LaneDecodeCall(_Call):
 class Lane:
     """One worker's lane: opened on the first call, re-opened by the first call after it failed."""
 
-    def __init__(self, open_stream, addr: str, on_failure=None) -> None:
+    def __init__(self, open_stream, addr: str, fallback, on_failure=None) -> None:
         self._open_stream, self.addr = open_stream, addr
+        self.fallback = fallback  # the worker's own stub: one RPC per call when it has no lane
         # called with the status when the stream fails: the lane is a connection held open to the
         # worker, so a worker that dies is noticed at once (the pool probes it), calls or not
         self._on_failure = on_failure
@@ -340,24 +341,21 @@ class LaneStub:
 
     def __init__(self, stub, addr: str, on_failure=None) -> None:
         self._stub = stub
-        self.lane = Lane(stub.Lane, addr, on_failure)
-        self.lane.fallback = stub
+        self.lane = Lane(stub.Lane, addr, stub, on_failure)
 
     def __getattr__(self, name):  # Load, Abort, and Prefill / Decode of a lane-less worker
         return getattr(self._stub, name)
 
-    def Prefill(self, request: wpb.PrefillRequest, timeout: float | None = None):  # noqa: N802 - stub method
+    def _call(self, kind: str, call_type: type[_Call], request, timeout: float | None):
         lane = self.lane
         if not lane.supported:
-            return self._stub.Prefill(request, timeout=timeout)
-        call = LanePrefillCall(lane, lane.next_id(), request, timeout)
-        lane.start(call, wpb.LaneCall(call=call.cid, prefill=request, timeout=timeout or 0.0))
+            return getattr(self._stub, kind)(request, timeout=timeout)
+        call = call_type(lane, lane.next_id(), request, timeout)
+        lane.start(call, wpb.LaneCall(call=call.cid, timeout=timeout or 0.0, **{kind.lower(): request}))
         return call
 
+    def Prefill(self, request: wpb.PrefillRequest, timeout: float | None = None):  # noqa: N802 - stub method
+        return self._call("Prefill", LanePrefillCall, request, timeout)
+
     def Decode(self, request: wpb.DecodeRequest, timeout: float | None = None):  # noqa: N802 - stub method
-        lane = self.lane
-        if not lane.supported:
-            return self._stub.Decode(request, timeout=timeout)
-        call = LaneDecodeCall(lane, lane.next_id(), request, timeout)
-        lane.start(call, wpb.LaneCall(call=call.cid, decode=request, timeout=timeout or 0.0))
-        return call
+        return self._call("Decode", LaneDecodeCall, request, timeout)

@@ -288,6 +288,51 @@ def test_24_rounds_keepalive_with_decode_frozen_in_round_8(mesh):
         pm.get("pdmesh:num_transfer_failed_reqs_total", 0) >= 1 or pm.get("pdmesh:num_aborted_requests_total", 0) >= 1
 
 
+class ClientLoad:
+    """`clients` threads each sending completions back to back (alternately streamed) until
+    stopped; `results` holds (start, end, ok, detail) per request. A stream is ok when it carries
+    no error event (`data: {"error"`, not generated text "error") and ends with [DONE]."""
+
+    def __init__(self, url: str, max_tokens: int, http_timeout: float, clients: int = 4):
+        self.url, self.max_tokens, self.http_timeout = url, max_tokens, http_timeout
+        self.lock = threading.Lock()
+        self.results: list[tuple[float, float, bool, str]] = []
+        self.stopping = threading.Event()
+        self.threads = [threading.Thread(target=self._loop, args=(i,)) for i in range(clients)]
+        for t in self.threads:
+            t.start()
+
+    def _loop(self, i: int) -> None:
+        with httpx.Client(base_url=self.url, timeout=self.http_timeout) as client:
+            n = 0
+            while not self.stopping.is_set():
+                n += 1
+                stream = (n + i) % 2 == 0
+                body = {"model": MODEL, "prompt": f"client {i} request {n}", "max_tokens": self.max_tokens,
+                        "ignore_eos": True, "stream": stream}
+                t0 = time.monotonic()
+                try:
+                    resp = client.post("/v1/completions", json=body)
+                    ok = resp.status_code == 200 and (not stream or ('data: {"error"' not in resp.text
+                                                                     and resp.text.endswith("data: [DONE]\n\n")))
+                    at = resp.text.find('data: {"error"')
+                    detail = f"{resp.status_code} {resp.text[max(0, at - 200):at + 600] if at >= 0 else resp.text[-600:]}"
+                except httpx.HTTPError as e:
+                    ok, detail = False, repr(e)
+                with self.lock:
+                    self.results.append((t0, time.monotonic(), ok, detail))
+
+    def successes_since(self, t: float) -> int:
+        with self.lock:
+            return sum(1 for s, _, ok, _ in self.results if ok and s >= t)
+
+    def stop(self, join_timeout: float) -> None:
+        self.stopping.set()
+        for t in self.threads:
+            t.join(join_timeout)
+        assert not any(t.is_alive() for t in self.threads)
+
+
 # --- 2P + 2D, kill one of each under load ----------------------------------------------------------------
 
 
@@ -298,39 +343,9 @@ def test_two_by_two_kill_one_of_each_under_load(mesh):
     for w in (*ps, *ds):
         mesh.wait_healthy(w)
     r = mesh.start_router(ps, ds, *ROUTER_FLAGS, "--request-timeout", str(timeout))
-
-    lock = threading.Lock()
-    results: list[tuple[float, float, bool, str]] = []  # (start, end, ok, detail)
-    stop = threading.Event()
-
-    def client_loop(i: int) -> None:
-        with httpx.Client(base_url=r.http_url, timeout=timeout + 10) as client:
-            n = 0
-            while not stop.is_set():
-                n += 1
-                stream = (n + i) % 2 == 0
-                body = {"model": MODEL, "prompt": f"client {i} request {n}", "max_tokens": 12,
-                        "ignore_eos": True, "stream": stream}
-                t0 = time.monotonic()
-                try:
-                    resp = client.post("/v1/completions", json=body)
-                    ok = resp.status_code == 200 and (not stream or ('data: {"error"' not in resp.text
-                                                                     and resp.text.endswith("data: [DONE]\n\n")))
-                    detail = f"{resp.status_code} {resp.text[-600:]}"
-                except httpx.HTTPError as e:
-                    ok, detail = False, repr(e)
-                with lock:
-                    results.append((t0, time.monotonic(), ok, detail))
-
-    def successes_since(t: float) -> int:
-        with lock:
-            return sum(1 for s, _, ok, _ in results if ok and s >= t)
-
-    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
+    load = ClientLoad(r.http_url, max_tokens=12, http_timeout=timeout + 10)
     try:
-        wait_for(lambda: successes_since(0) >= 8, 60, "load to flow through both pairs")
+        wait_for(lambda: load.successes_since(0) >= 8, 60, "load to flow through both pairs")
         t_kill = time.monotonic()
         ps[0].kill()
         ds[0].kill()
@@ -339,12 +354,10 @@ def test_two_by_two_kill_one_of_each_under_load(mesh):
                                  for role, w in (("prefill", ps[0]), ("decode", ds[0]))),
                  15, "the router to eject the killed workers")
         t_ejected = time.monotonic()
-        wait_for(lambda: successes_since(t_ejected) >= 12, 60, "requests to keep succeeding on the survivors")
+        wait_for(lambda: load.successes_since(t_ejected) >= 12, 60, "requests to keep succeeding on the survivors")
     finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout + 15)
-    assert not any(t.is_alive() for t in threads)
+        load.stop(timeout + 15)
+    results = load.results
 
     for start, end, _, detail in results:
         assert end - start <= timeout + 2.0, ("a request outlived its deadline", end - start, detail)
@@ -377,48 +390,16 @@ def test_graceful_stop_of_a_decode_under_load_costs_clients_nothing(mesh):
     for w in (p, *ds):
         mesh.wait_healthy(w)
     r = mesh.start_router([p], ds, *ROUTER_FLAGS, "--request-timeout", "20")
-    lock = threading.Lock()
-    results: list[tuple[float, float, bool, str]] = []
-    stop = threading.Event()
-
-    def client_loop(i: int) -> None:
-        with httpx.Client(base_url=r.http_url, timeout=30) as client:
-            n = 0
-            while not stop.is_set():
-                n += 1
-                stream = (n + i) % 2 == 0
-                body = {"model": MODEL, "prompt": f"client {i} request {n}", "max_tokens": 24,
-                        "ignore_eos": True, "stream": stream}
-                t0 = time.monotonic()
-                try:
-                    resp = client.post("/v1/completions", json=body)
-                    ok = resp.status_code == 200 and (not stream or ('data: {"error"' not in resp.text
-                                                                     and resp.text.endswith("data: [DONE]\n\n")))
-                    at = resp.text.find('data: {"error"')  # an error event (not generated text "error")
-                    detail = f"{resp.status_code} {resp.text[max(0, at - 200):at + 600] if at >= 0 else resp.text[-400:]}"
-                except httpx.HTTPError as e:
-                    ok, detail = False, repr(e)
-                with lock:
-                    results.append((t0, time.monotonic(), ok, detail))
-
-    def successes_since(t: float) -> int:
-        with lock:
-            return sum(1 for s, _, ok, _ in results if ok and s >= t)
-
-    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
+    load = ClientLoad(r.http_url, max_tokens=24, http_timeout=30)
     try:
-        wait_for(lambda: successes_since(0) >= 8, 60, "load to flow through both decodes")
+        wait_for(lambda: load.successes_since(0) >= 8, 60, "load to flow through both decodes")
         t_term = time.monotonic()
         ds[0].popen.send_signal(signal.SIGTERM)
         ds[0].popen.wait(timeout=30)
-        wait_for(lambda: successes_since(t_term + 0.5) >= 12, 60, "requests to keep succeeding on the other decode")
+        wait_for(lambda: load.successes_since(t_term + 0.5) >= 12, 60, "requests to keep succeeding on the other decode")
     finally:
-        stop.set()
-        for t in threads:
-            t.join(40)
-    assert not any(t.is_alive() for t in threads)
+        load.stop(40)
+    results = load.results
     failed = [detail for _, _, ok, detail in results if not ok]
     assert not failed, f"requests failed across the graceful stop: {failed[:3]}"
     started_after = [e - s for s, e, _, _ in results if s >= t_term + 0.5]

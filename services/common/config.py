@@ -145,6 +145,10 @@ ROUTER_FLAGS = [
     Flag("worker-lane", bool, True,
          "send Prefill / Decode calls to each worker over one multiplexed stream (the lane) instead of "
          "one gRPC call each (false: one call each; a worker without the lane gets that anyway)"),
+    Flag("processes", int, 1,
+         "router processes serving the port together (SO_REUSEPORT), under one supervisor that restarts "
+         "any that dies; they share admission (--max-concurrent-requests is for all), each worker's "
+         "in-flight load and ejections, and one /metrics. More than 1 needs as many free cores to help"),
     Flag("log-level", str, "info", "debug, info, warning or error"),
     Flag("log-format", str, "auto",
          "auto (human-readable lines when stderr is a terminal, JSON lines otherwise), console or json",

@@ -46,6 +46,8 @@ from services.router.output import TokenStrings
 from services.router.pool import WorkerPool
 from services.router.protocol import GenerateSpec, ModelInfo, parse_chat, parse_completion
 from services.router.render import ResponseState
+from services.router.shared_state import SharedState, state_path
+from services.router.sibling_metrics import SiblingMetrics
 from services.router.sse import DONE, ClientDisconnected, SSEResponse, run_until_disconnect, sse_event
 from services.router.tool_parsers import FORMATS, detect_tool_parser
 
@@ -88,6 +90,9 @@ class RouterSettings:
     stream_stall_timeout: float = 30.0
     dns_refresh_interval: float = 5.0
     worker_lane: bool = True  # services/router/lane.py
+    processes: int = 1  # services/router/processes.py
+    process_index: int = 0  # this process's place among them (set by the supervisor, not a flag)
+    shared_dir: str = ""  # their shared folder: state file and metrics sockets (likewise)
     log_level: str = "info"
 
     @classmethod
@@ -141,7 +146,15 @@ class Router:
         self.info = ModelInfo(name=name, tokenizer=self.tokenizer, context_length=context_length(settings.model),
                               aliases=aliases, tool_parser=tool_parser(settings.tool_call_parser, self.tokenizer))
         self.token_strings = TokenStrings(self.tokenizer)
-        self.metrics = Metrics("router", name, f"router-{settings.host}-{settings.port}")
+        self.shared: SharedState | None = None  # the other router processes' admissions and loads
+        self.siblings: SiblingMetrics | None = None  # their /metrics
+        label = f"router-{settings.host}-{settings.port}"
+        if settings.processes > 1 and settings.shared_dir:
+            self.shared = SharedState(state_path(settings.shared_dir), settings.processes, settings.process_index)
+            self.shared.claim()
+            label += f"-p{settings.process_index}"
+        self._active = 0
+        self.metrics = Metrics("router", name, label)
         self.metrics.gauge_from("num_running_reqs", lambda: self.active)
         # the per-token metrics' labelled children, looked up once (labels() costs a lock and a dict per call)
         m = self.metrics
@@ -159,14 +172,41 @@ class Router:
             failure_threshold=settings.health_failure_threshold,
             dns_refresh_interval=settings.dns_refresh_interval,
             lane=settings.worker_lane,
+            shared=self.shared,
         )
+        if self.shared is not None:
+            self.siblings = SiblingMetrics(settings.shared_dir, settings.processes, settings.process_index,
+                                           self.metrics.exposition)
         self.orchestrator = Orchestrator(self.pool, self.tokenizer.eos_token_ids,
                                          max_migrations=settings.max_migrations,
                                          stall_timeout=settings.stream_stall_timeout, metrics=self.metrics)
-        self.active = 0  # admitted generation requests not yet finished (their slot is taken before parsing)
         self.created = int(time.time())
 
+    @property
+    def active(self) -> int:
+        """Admitted generation requests of this process not yet finished (the slot is taken before parsing)."""
+        return self._active
+
+    @active.setter
+    def active(self, n: int) -> None:
+        self._active = n
+        if self.shared is not None:
+            self.shared.set_active(n)  # the other processes' admission sees it at once
+
+    def admit(self) -> None:
+        """Take a slot under --max-concurrent-requests, which bounds the whole router: with
+        --processes, every process's admitted requests count (shared_state.py), or 429."""
+        limit = self.settings.max_concurrent_requests
+        if self.shared is None:
+            if self._active >= limit:
+                raise errors.too_many_requests(limit)
+        elif not self.shared.try_admit(limit):
+            raise errors.too_many_requests(limit)
+        self._active += 1
+
     async def start(self) -> None:
+        if self.siblings is not None:
+            await self.siblings.start()
         await self.pool.start()
         log.info("worker pool probed", model=self.info.name, context_length=self.info.context_length,
                  prefill=self.settings.prefill, decode=self.settings.decode, policy=self.settings.policy,
@@ -175,6 +215,11 @@ class Router:
     async def close(self) -> None:
         await self.orchestrator.close()
         await self.pool.close()
+        if self.siblings is not None:
+            await self.siblings.close()
+
+    async def metrics_exposition(self) -> bytes:
+        return self.metrics.exposition() if self.siblings is None else await self.siblings.exposition()
 
     # --- helpers ------------------------------------------------------------------------------
 
@@ -236,9 +281,7 @@ class Router:
             admitted = False
             try:
                 self.check_auth(request)
-                if self.active >= self.settings.max_concurrent_requests:
-                    raise errors.too_many_requests(self.settings.max_concurrent_requests)
-                self.active += 1  # the slot is ours from here: concurrent arrivals see it while we parse
+                self.admit()  # the slot is ours from here: concurrent arrivals see it while we parse
                 admitted = True
                 body, size = await self.read_json(request)
                 spec = await self.parse(kind, body, size)
@@ -578,7 +621,7 @@ def create_app(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> 
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(router.metrics.exposition(), media_type=CONTENT_TYPE)
+        return Response(await router.metrics_exposition(), media_type=CONTENT_TYPE)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:

@@ -12,6 +12,7 @@ from services.common.grpc_server import configure_internal_token
 from services.common.logging_setup import configure_logging, get_logger
 from services.router.app import RouterSettings, create_app
 from services.router.discovery import split_host_port
+from services.router.processes import Supervisor, child_identity, die_with_supervisor, listening_socket
 
 DESCRIPTION = (
     "pdmesh router: the OpenAI-compatible HTTP API in front of prefill and decode workers "
@@ -20,8 +21,13 @@ DESCRIPTION = (
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args("python -m services.router", DESCRIPTION, ROUTER_FLAGS, argv)
-    configure_logging(args.log_level, args.log_format, service="router", worker=f"router-{args.host}-{args.port}")
+    child = child_identity()  # (index, shared folder, supervisor pid) in one of --processes N
+    if child is not None:
+        die_with_supervisor(child[2])
+    name = f"router-{args.host}-{args.port}" + (f"-p{child[0]}" if child else "")
+    configure_logging(args.log_level, args.log_format, service="router", worker=name)
     log = get_logger("router")
     if not args.decode or (args.mode == "pd" and not args.prefill):
         log.error("at least one --decode and (in --mode pd) one --prefill worker address are required")
@@ -34,14 +40,23 @@ def main(argv=None) -> None:
     if args.max_migrations < 0 or args.stream_stall_timeout <= 0:
         log.error("--max-migrations must be 0 or more and --stream-stall-timeout positive")
         sys.exit(2)
+    if args.processes < 1:
+        log.error("--processes must be 1 or more")
+        sys.exit(2)
     try:
         for spec in (*args.prefill, *args.decode):
             split_host_port(spec)
     except ValueError as e:
         log.error(str(e))
         sys.exit(2)
+    if args.processes > 1 and child is None:
+        sys.exit(Supervisor(argv, args.processes, args.host, args.port, log).run())
     configure_internal_token(args.internal_token_file, args.internal_token)  # presented on every call to the workers
     settings = RouterSettings.from_args(args)
+    sockets = None
+    if child is not None:
+        settings.process_index, settings.shared_dir = child[0], child[1]
+        sockets = [listening_socket(args.host, args.port, reuse_port=True)]
     app = create_app(settings)
     config = uvicorn.Config(
         app,
@@ -58,4 +73,4 @@ def main(argv=None) -> None:
     # again and again under load (measured, non-streamed at c=32: their CPU fell from ~8% of the
     # router's to under 1%).
     gc.freeze()
-    uvicorn.Server(config).run()
+    uvicorn.Server(config).run(sockets=sockets)

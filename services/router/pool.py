@@ -44,6 +44,7 @@ from services.router.discovery import Resolver, resolve_specs, split_host_port, 
 from services.router.errors import no_healthy_workers
 from services.router.lane import LaneStub
 from services.router.policy import make_policy
+from services.router.shared_state import MAX_WORKERS, PeerView, SharedState, worker_key
 
 log = get_logger("router.pool")
 
@@ -57,6 +58,9 @@ CHANNEL_OPTIONS = [
     ("grpc.enable_retries", 0),  # the router decides about retries itself
 ]
 
+SHARE_INTERVAL = 0.02  # seconds between exchanges with the router's other processes (--processes)
+NO_PEERS = PeerView()
+
 
 @dataclass(eq=False)
 class Worker:
@@ -65,7 +69,10 @@ class Worker:
     spec: str = ""  # the --prefill/--decode value it came from
     healthy: bool = False
     failures: int = 0  # failed probes in a row
-    inflight: int = 0  # RPCs of this router in flight on the worker
+    inflight: int = 0  # RPCs of this router process in flight on the worker
+    peer_inflight: int = 0  # the router's other processes' requests on it (--processes, shared_state.py)
+    ejections: int = 0  # times this process ejected it (shared, so the others probe it at once)
+    peer_ejections: int = 0  # the other processes' ejections of it, as last read
     external_load: int = 0  # queued + running on the worker that are not ours (last Load report)
     last_error: str = ""
     last_change: float = field(default_factory=time.time)
@@ -73,13 +80,16 @@ class Worker:
     stub: object | None = None
     health: health_pb2_grpc.HealthStub | None = None
 
+    def __post_init__(self) -> None:
+        self.key = worker_key(self.role, self.addr)  # its entry in the state the router's processes share
+
     def __repr__(self) -> str:
         return f"{self.role}:{self.addr}"
 
 
 def load_of(w: Worker) -> int:
     """What the policies compare: our requests on the worker plus everyone else's."""
-    return w.inflight + w.external_load
+    return w.inflight + w.peer_inflight + w.external_load
 
 
 class WorkerPool:
@@ -96,7 +106,9 @@ class WorkerPool:
         resolver: Resolver = system_resolver,
         colocated: bool = False,
         lane: bool = True,
+        shared: SharedState | None = None,
     ):
+        self.shared = shared  # the router's other processes (--processes > 1), read every SHARE_INTERVAL
         self.lane = lane  # Prefill / Decode over each worker's lane (services/router/lane.py)
         self.colocated = colocated  # decode workers only: choose_pair returns (None, decode)
         self.specs = {"prefill": list(dict.fromkeys(prefill_addrs)), "decode": list(dict.fromkeys(decode_addrs))}
@@ -116,6 +128,7 @@ class WorkerPool:
         self._probing: dict[Worker, asyncio.Task] = {}
         self._background: set[asyncio.Task] = set()
         self._watchers: set[Callable[[Worker], None]] = set()
+        self._share_full_logged = False
 
     @property
     def workers(self) -> list[Worker]:
@@ -127,6 +140,8 @@ class WorkerPool:
         await self.refresh_addresses()
         await self.probe_all()
         self._task = asyncio.create_task(self._loop(), name="router-health")
+        if self.shared is not None:
+            self._background.add(asyncio.create_task(self._share_loop(), name="router-share"))
 
     def _connect(self, w: Worker) -> Worker:
         w.channel = internal_channel(w.addr, CHANNEL_OPTIONS)  # keep-alive, internal token
@@ -193,6 +208,32 @@ class WorkerPool:
             except Exception as e:  # noqa: BLE001 - the health loop must never die
                 log.error("health loop error", error=repr(e))
 
+    async def _share_loop(self) -> None:
+        while True:
+            await asyncio.sleep(SHARE_INTERVAL)
+            try:
+                self.share()
+            except Exception as e:  # noqa: BLE001 - like the health loop, it must never die
+                log.error("sharing with the router's other processes failed", error=repr(e))
+
+    def share(self) -> None:
+        """Publish our per-worker counts and read the other processes': their in-flight requests
+        join each worker's load, and a worker one of them ejected is probed here at once (and
+        ejected if that probe fails), so a dead or frozen worker leaves every process's rotation
+        about as fast as it leaves the first one's."""
+        shared = self.shared
+        for w in (*self.workers, *self._retired):
+            if not shared.publish(w.key, w.inflight, w.ejections) and not self._share_full_logged:
+                self._share_full_logged = True
+                log.warning("too many workers to share between the router's processes", limit=MAX_WORKERS)
+        peers = shared.peers()
+        for w in self.workers:
+            view = peers.get(w.key, NO_PEERS)
+            w.peer_inflight = view.inflight
+            if view.ejections > w.peer_ejections and w.healthy:
+                self.report_failure(w, grpc.StatusCode.UNAVAILABLE)
+            w.peer_ejections = view.ejections  # also when it fell: a restarted process starts from zero
+
     # --- probing -------------------------------------------------------------------------------
 
     async def probe_all(self, workers: Iterable[Worker] | None = None) -> None:
@@ -235,11 +276,13 @@ class WorkerPool:
             reply = await w.stub.Load(wpb.LoadRequest(), timeout=self.timeout)
         except grpc.aio.AioRpcError:
             return  # keep the last report; load is advisory, health decides admission
-        w.external_load = max(0, reply.queued + reply.running - w.inflight)
+        w.external_load = max(0, reply.queued + reply.running - w.inflight - w.peer_inflight)
 
     def _mark(self, w: Worker, healthy: bool, why: str) -> None:
         w.healthy = healthy
         w.last_change = time.time()
+        if not healthy:
+            w.ejections += 1
         if healthy:
             log.info("worker admitted", role=w.role, target=w.addr)
         else:

@@ -1,0 +1,171 @@
+"""Several router processes on one port (`--processes N`, N > 1), and the supervisor that runs them.
+
+One Python process serves a request in ~0.3 ms of one core (docs/router.md, Performance), so a
+router that must go past that uses more processes. Each one is a whole router — its own event
+loop, worker pool, lanes and health probes — listening on the same port with SO_REUSEPORT, so the
+kernel spreads new connections over them. What must be one router's and not each process's is
+shared (services/router/shared_state.py, services/router/sibling_metrics.py): admission under
+`--max-concurrent-requests`, each worker's in-flight load, ejections, and `/metrics`.
+
+The supervisor serves nothing itself. It starts the processes, restarts one that dies (its row of
+shared state zeroed first, with a backoff that grows while replacements keep dying young), passes
+SIGTERM / SIGINT on for a graceful stop, and removes the shared folder at the end. The processes
+run in their own session, so a terminal's Ctrl-C reaches them once (through the supervisor), and
+they ask the kernel to kill them when the supervisor dies, so a SIGKILLed router leaves no
+process holding the port.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from services.router.shared_state import SharedState, state_path
+
+ENV_INDEX = "PDMESH_ROUTER_PROCESS_INDEX"  # set by the supervisor for its processes, never by users
+ENV_FOLDER = "PDMESH_ROUTER_SHARED_DIR"
+ENV_SUPERVISOR = "PDMESH_ROUTER_SUPERVISOR_PID"
+
+RESTART_MIN, RESTART_MAX = 0.5, 10.0  # seconds before a dead process is replaced (doubling)
+LIVED_LONG = 10.0  # a process that served this long resets the backoff
+STOP_GRACE = 15.0  # seconds the processes get to finish after SIGTERM (uvicorn's own grace is 5)
+_PR_SET_PDEATHSIG = 1
+FOLDER_PREFIX = "pdmesh-router-"
+_REPO = str(Path(__file__).resolve().parents[2])
+
+
+def listening_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
+    """A bound TCP socket for uvicorn; with `reuse_port`, one of several on the same port."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def remove_abandoned(parent: str) -> None:
+    """Shared folders of supervisors that were killed (SIGKILL leaves them behind)."""
+    for folder in Path(parent).glob(FOLDER_PREFIX + "*"):
+        try:
+            pid = int((folder / "supervisor.pid").read_text())
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except (OSError, ValueError):
+            continue  # being created, or not ours to judge
+
+
+def child_identity() -> tuple[int, str, int] | None:
+    """(index, shared folder, supervisor pid) when this process was started by a supervisor."""
+    if ENV_INDEX not in os.environ:
+        return None
+    return int(os.environ[ENV_INDEX]), os.environ[ENV_FOLDER], int(os.environ[ENV_SUPERVISOR])
+
+
+def die_with_supervisor(supervisor_pid: int) -> None:
+    """Have the kernel SIGKILL this process when the supervisor dies (Linux), even by SIGKILL."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != supervisor_pid:  # it died before the request above was in place
+        os._exit(1)
+
+
+class Supervisor:
+    def __init__(self, argv: list[str], processes: int, host: str, port: int, log):
+        self.argv, self.processes, self.host, self.port, self.log = argv, processes, host, port, log
+        self.children: list[subprocess.Popen | None] = [None] * processes
+        self.started = [0.0] * processes
+        self.backoff = [RESTART_MIN] * processes
+        self.due: list[float | None] = [None] * processes  # when a dead process is replaced
+        self.stop_signal: int | None = None
+
+    def run(self) -> int:
+        try:  # the port must be free (or shared only with SO_REUSEPORT sockets of ours) before any start
+            listening_socket(self.host, self.port, reuse_port=True).close()
+        except OSError as e:
+            self.log.error("cannot bind the router's port", host=self.host, port=self.port, error=str(e))
+            return 1
+        shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+        remove_abandoned(shm)
+        self.folder = tempfile.mkdtemp(prefix=FOLDER_PREFIX, dir=shm)
+        try:
+            Path(self.folder, "supervisor.pid").write_text(str(os.getpid()))
+            SharedState.create(state_path(self.folder), self.processes)
+            self.state = SharedState(state_path(self.folder), self.processes, 0)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, self._on_signal)
+            for i in range(self.processes):
+                self._spawn(i)
+            self.log.info("router processes started", processes=self.processes, port=self.port,
+                          pids=[c.pid for c in self.children if c is not None])
+            while self.stop_signal is None:
+                self._tend()
+                time.sleep(0.1)
+            return self._stop()
+        finally:
+            for child in self.children:
+                if child is not None and child.poll() is None:
+                    child.kill()
+                    child.wait()
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.stop_signal = signum
+
+    def _spawn(self, i: int) -> None:
+        env = {**os.environ, ENV_INDEX: str(i), ENV_FOLDER: self.folder, ENV_SUPERVISOR: str(os.getpid())}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, env.get("PYTHONPATH", "")) if p)
+        self.children[i] = subprocess.Popen([sys.executable, "-m", "services.router", *self.argv], env=env,
+                                            start_new_session=True)
+        self.started[i] = time.monotonic()
+        self.due[i] = None
+
+    def _tend(self) -> None:
+        now = time.monotonic()
+        for i, child in enumerate(self.children):
+            if self.due[i] is not None:
+                if now >= self.due[i]:
+                    self._spawn(i)
+                    self.log.info("router process replaced", process=i, pid=self.children[i].pid)
+                continue
+            code = child.poll()
+            if code is None:
+                continue
+            self.state.clear_row(i)  # what it had admitted and in flight no longer counts
+            lived = now - self.started[i]
+            self.backoff[i] = RESTART_MIN if lived >= LIVED_LONG else min(RESTART_MAX, self.backoff[i] * 2)
+            self.due[i] = now + self.backoff[i]
+            self.log.error("router process died; replacing it", process=i, pid=child.pid, exit_code=code,
+                           lived_s=round(lived, 1), restart_in_s=self.backoff[i])
+
+    def _stop(self) -> int:
+        self.log.info("router stopping", signal=signal.Signals(self.stop_signal).name)
+        live = [c for c in self.children if c is not None and c.poll() is None]
+        for child in live:
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE
+        for child in live:
+            try:
+                child.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.log.warning("router process did not stop in time; killing it", pid=child.pid)
+                child.kill()
+                child.wait()
+        return 0

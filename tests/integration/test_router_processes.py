@@ -1,0 +1,199 @@
+"""`--processes N`: several router processes on one port under a supervisor, as a user runs it
+(`python -m services.router ... --processes 2`), in front of fake gRPC workers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.fake_workers import Behaviour, FakeDecode, FakePrefill
+from tests.ports import free_port
+from tests.unit.test_router_app import wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+REPO = Path(__file__).resolve().parents[2]
+BODY = {"model": "pdmesh-tiny", "prompt": "hi", "max_tokens": 3}
+
+
+class Fakes:
+    """A fake prefill and decode on an event loop in a background thread."""
+
+    def __init__(self) -> None:
+        self.prefill, self.decode = FakePrefill(), FakeDecode()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        for w in (self.prefill, self.decode):
+            asyncio.run_coroutine_threadsafe(w.start(), self.loop).result(10)
+
+    def close(self) -> None:
+        for w in (self.prefill, self.decode):
+            asyncio.run_coroutine_threadsafe(w.stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+class Router:
+    def __init__(self, fakes: Fakes, *extra: str, processes: int = 2):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdmesh-router-processes-{self.port}.log"
+        self.log_file = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.router", "--port", str(self.port), "--prefill", fakes.prefill.addr,
+             "--decode", fakes.decode.addr, "--processes", str(processes), "--log-format", "json",
+             "--health-check-interval", "0.2", *extra],
+            cwd=REPO, stdout=self.log_file, stderr=subprocess.STDOUT,
+        )
+        self.processes = processes
+        wait_for(self.all_serving, 60, "every router process to serve")
+
+    def children(self) -> list[int]:
+        try:
+            text = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
+        except FileNotFoundError:
+            return []
+        return [int(p) for p in text.split()]
+
+    def metrics(self) -> dict:
+        text = httpx.get(self.url + "/metrics", timeout=5).text
+        return {f.name: f for f in text_string_to_metric_families(text)}
+
+    def all_serving(self) -> bool:
+        assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
+        try:
+            if httpx.get(self.url + "/health", timeout=2).status_code != 200:
+                return False
+            return self.metrics()["pdmesh:router_processes_scraped"].samples[0].value == self.processes
+        except (httpx.HTTPError, KeyError):
+            return False
+
+    def per_process(self, family: str, suffix: str = "_total") -> dict[str, float]:
+        f = self.metrics()[family]
+        return {s.labels["worker"]: s.value for s in f.samples if s.name.endswith(suffix)}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.log_file.close()
+
+
+@pytest.fixture
+def fakes():
+    f = Fakes()
+    yield f
+    f.close()
+
+
+@pytest.fixture
+def routers():
+    made: list[Router] = []
+    yield made
+    for r in made:
+        r.stop()
+
+
+def post_new_connection(url: str, body: dict = BODY) -> int:
+    """One request on a connection of its own, so the kernel picks a process for it."""
+    with httpx.Client(timeout=30) as client:
+        return client.post(url + "/v1/completions", json=body).status_code
+
+
+def test_the_processes_share_the_port_and_one_metrics(fakes, routers):
+    r = Router(fakes)
+    routers.append(r)
+    with ThreadPoolExecutor(8) as pool:
+        codes = list(pool.map(lambda _: post_new_connection(r.url), range(48)))
+    assert codes == [200] * 48
+    served = r.per_process("pdmesh:num_requests")
+    assert len(served) == 2 and all(n > 0 for n in served.values()), served  # both processes served
+    assert sum(served.values()) == 48
+    running = r.per_process("pdmesh:num_running_reqs", suffix="reqs")
+    assert running and all(v == 0 for v in running.values())
+    assert fakes.prefill.seen.active == 0 and fakes.decode.seen.active == 0
+    assert httpx.get(r.url + "/v1/models", timeout=5).status_code == 200
+
+
+def test_max_concurrent_requests_bounds_the_whole_router(fakes, routers):
+    fakes.decode.behaviour = Behaviour(delay=2.0)  # each admitted request holds its slot for 2 s
+    r = Router(fakes, "--max-concurrent-requests", "3")
+    routers.append(r)
+    with ThreadPoolExecutor(9) as pool:
+        codes = sorted(pool.map(lambda _: post_new_connection(r.url), range(9)))
+    assert codes == [200] * 3 + [429] * 6, codes
+    assert sum(r.per_process("pdmesh:num_requests").values()) == 3
+
+
+def test_a_dead_process_is_replaced_and_the_router_keeps_serving(fakes, routers):
+    r = Router(fakes)
+    routers.append(r)
+    before = r.children()
+    assert len(before) == 2
+    os.kill(before[0], signal.SIGKILL)
+    wait_for(lambda: len(set(r.children()) - set(before)) == 1 and r.all_serving(), 30,
+             "the dead process to be replaced")
+    with ThreadPoolExecutor(4) as pool:
+        codes = list(pool.map(lambda _: post_new_connection(r.url), range(16)))
+    assert codes == [200] * 16
+    assert "router process died; replacing it" in r.log_path.read_text()
+
+
+def test_sigterm_stops_every_process_and_removes_the_shared_folder(fakes, routers):
+    r = Router(fakes)
+    routers.append(r)
+    children = r.children()
+    folders = {f for f in Path("/dev/shm").glob("pdmesh-router-*")
+               if (f / "supervisor.pid").read_text() == str(r.proc.pid)}
+    r.proc.send_signal(signal.SIGTERM)
+    assert r.proc.wait(30) == 0
+    assert not any(Path(f"/proc/{pid}").exists() for pid in children)
+    assert not any(f.exists() for f in folders)
+
+
+def test_a_killed_supervisor_takes_its_processes_with_it(fakes, routers):
+    r = Router(fakes)
+    routers.append(r)
+    children = r.children()
+    r.proc.kill()
+    r.proc.wait(10)
+
+    def gone() -> bool:
+        for pid in children:
+            try:
+                status = Path(f"/proc/{pid}/stat").read_text().split()[2]
+            except FileNotFoundError:
+                continue
+            if status != "Z":  # a zombie holds no port; its parent is gone and init reaps it
+                return False
+        return True
+
+    wait_for(gone, 10, "the router processes to die with their supervisor")
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(r.url + "/health", timeout=2)
+
+
+def test_a_taken_port_fails_at_start(fakes, routers):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "services.router", "--port", str(port), "--prefill", fakes.prefill.addr,
+             "--decode", fakes.decode.addr, "--processes", "2", "--log-format", "json"],
+            cwd=REPO, capture_output=True, text=True, timeout=60,
+        )
+    assert out.returncode == 1 and "cannot bind the router's port" in out.stderr + out.stdout

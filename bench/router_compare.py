@@ -28,8 +28,14 @@ workers never compete with it. Both routers idle while the other is measured. Th
 (`os.getloadavg`) before and after is in the JSON: other work on the machine shifts absolute
 numbers; the ratios from one run are the point.
 
+Several router processes: `--processes 1,2` also measures pdmesh with `--processes 2` (side
+`pdmesh_p2`), and `--router-cores K` gives the router under test cores 0..K-1 (each side in turn;
+sglang-router's threads take all K as well) and wrk and the workers the rest. More processes only
+help when the router has the cores for them: on this 2-core machine that needs `--no-pin` (the
+router, wrk and the workers then share both cores).
+
 Usage: python bench/router_compare.py [--seconds 5] [--rounds 2] [--stream-tokens 64] [--no-pin]
-       [--only pdmesh|sglang] [--floor] [--baseline DIR]
+       [--only pdmesh|sglang] [--floor] [--baseline DIR] [--processes 1,2] [--router-cores K]
 """
 
 from __future__ import annotations
@@ -221,6 +227,11 @@ def main() -> int:
     ap.add_argument("--floor", action="store_true",
                     help="also measure bench/router_floor.py (HTTP + two gRPC calls, nothing else) in the "
                          "non-streamed cases")
+    ap.add_argument("--processes", default="1",
+                    help="pdmesh router --processes values to measure, comma-separated (the first is side "
+                         "'pdmesh', each other N a side 'pdmesh_pN')")
+    ap.add_argument("--router-cores", type=int, default=1,
+                    help="with pinning: cores 0..K-1 for the router under test, the rest for wrk and the workers")
     ap.add_argument("--serve-fake-grpc", nargs=2, metavar=("ROLE", "PORT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_fake_grpc:
@@ -229,9 +240,13 @@ def main() -> int:
 
     ncpu = os.cpu_count() or 1
     pin = not args.no_pin and ncpu >= 2 and shutil.which("taskset") is not None
-    router_core, other_cores = "0", f"1-{ncpu - 1}"
+    k = max(1, min(args.router_cores, ncpu - 1))
+    router_core, other_cores = (f"0-{k - 1}" if k > 1 else "0"), f"{k}-{ncpu - 1}"
+    processes = [int(x) for x in args.processes.split(",") if x.strip()]
     wrk = ensure_wrk()
     sides = ["sglang", "pdmesh"] if args.only is None else [args.only]
+    if args.only != "sglang":
+        sides += [f"pdmesh_p{n}" for n in processes[1:]]
     if args.baseline:
         sides.append("baseline")
     if args.floor:
@@ -262,9 +277,22 @@ def main() -> int:
                                                         str(port)], other_cores)
                 procs.start("pdmesh-router", [sys.executable, "-m", "services.router", "--port", str(pr),
                                               "--prefill", f"127.0.0.1:{pp}", "--decode", f"127.0.0.1:{pd}",
-                                              "--policy", "round_robin"], router_core)
+                                              "--policy", "round_robin", "--processes", str(processes[0])],
+                            router_core)
                 urls["pdmesh"] = f"http://127.0.0.1:{pr}"
                 fake_decode = procs.procs[-2]
+            for n in processes[1:]:
+                if f"pdmesh_p{n}" not in sides:
+                    continue
+                np_, nd, nr = free_port(), free_port(), free_port()
+                for role, port in (("prefill", np_), ("decode", nd)):
+                    procs.start(f"pdmesh-p{n}-fake-{role}", [sys.executable, __file__, "--serve-fake-grpc", role,
+                                                            str(port)], other_cores)
+                procs.start(f"pdmesh-p{n}-router", [sys.executable, "-m", "services.router", "--port", str(nr),
+                                                     "--prefill", f"127.0.0.1:{np_}", "--decode",
+                                                     f"127.0.0.1:{nd}", "--policy", "round_robin",
+                                                     "--processes", str(n)], router_core)
+                urls[f"pdmesh_p{n}"] = f"http://127.0.0.1:{nr}"
             if "baseline" in sides:  # the same processes, from the other checkout's files
                 root = args.baseline.resolve()
                 bp, bd, br = free_port(), free_port(), free_port()
@@ -321,9 +349,11 @@ def main() -> int:
                 case = {"concurrency": conns, "max_tokens": max_tokens, "stream": stream}
                 for side in measured:
                     case[side] = {"median": median_of(runs[side]), "runs": runs[side]}
-                for a, b in (("pdmesh", "sglang"), ("baseline", "sglang"), ("floor", "sglang"),
-                             ("floor_lane", "sglang"), ("pdmesh", "baseline"), ("pdmesh", "floor"),
-                             ("pdmesh", "floor_lane")):
+                pairs = [("pdmesh", "sglang"), ("baseline", "sglang"), ("floor", "sglang"),
+                         ("floor_lane", "sglang"), ("pdmesh", "baseline"), ("pdmesh", "floor"),
+                         ("pdmesh", "floor_lane")]
+                pairs += [(f"pdmesh_p{n}", other) for n in processes[1:] for other in ("sglang", "pdmesh")]
+                for a, b in pairs:
                     if a in case and b in case:
                         p, s = case[a]["median"], case[b]["median"]
                         case[f"ratio_{a}_over_{b}"] = {
@@ -339,7 +369,8 @@ def main() -> int:
         "setup": {
             "sglang": f"{SGLANG_ROUTER} --pd-disaggregation --policy round_robin, instant fake SGLang HTTP "
                       "workers (bench/fake_sglang_worker.py), one process each",
-            "pdmesh": "python -m services.router --policy round_robin, instant fake gRPC workers "
+            "pdmesh": f"python -m services.router --policy round_robin --processes {processes[0]} (pdmesh_pN: "
+                      "--processes N), instant fake gRPC workers "
                       "(tests/fake_workers.py), one process each; the fake decode coalesces tokens as the "
                       f"real one does: {os.environ.get('PDMESH_FAKE_COALESCE', '1') == '1'}",
             "baseline": f"the router and fake workers of {args.baseline}" if args.baseline else None,

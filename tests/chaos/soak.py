@@ -82,7 +82,7 @@ class Soak:
         migrations = ("--max-migrations", "0") if "migration" in self.args.without else ()
         self.router = self.mesh.start_router(
             self.workers["prefill"], self.workers["decode"], *ROUTER_FLAGS, *migrations,
-            "--request-timeout", str(self.args.request_timeout))
+            "--request-timeout", str(self.args.request_timeout), "--processes", str(self.args.router_processes))
 
     def _bank_counters(self, proc: Proc) -> None:
         """Counters reset when a process restarts: keep what it counted so far."""
@@ -281,6 +281,8 @@ def main(argv=None) -> int:
     ap.add_argument("--request-timeout", type=float, default=60.0)
     ap.add_argument("--drain-timeout", type=float, default=30.0)
     ap.add_argument("--allow-failures", type=int, default=0)
+    ap.add_argument("--router-processes", type=int, default=1,
+                    help="the router's --processes (a router restart kills its supervisor, and so all of them)")
     ap.add_argument("--without", nargs="*", default=[], choices=("watchdog", "migration"),
                     help="switch a protection off, to show that the soak then fails")
     ap.add_argument("--out", default="bench/out/chaos")

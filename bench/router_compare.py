@@ -19,7 +19,11 @@ Cases: non-streamed `max_tokens` 1 at c = 1 and c = 32 (requests/s, p50/p99 late
 streamed `max_tokens` 64 at c = 32 (requests/s and tokens/s through the router). Each case
 runs both routers back to back, `--rounds` times alternating which goes first; the JSON has
 every run, the median per side, and ratios pdmesh / sglang (req/s: > 1 is pdmesh faster;
-p50: < 1 is pdmesh faster). Both routers run with their default logging.
+p50: < 1 is pdmesh faster). Both routers run with their default logging. Each run also records
+the router's CPU time per request (`router_cpu_us_per_request`: user + system time of the
+router process and its children over the run, over the requests wrk completed), and the ratio
+`router_cpu_per_request` says how many cores pdmesh needs for the other side's requests/s on
+one, when the router is what limits it (c = 32).
 
 Fairness on a small machine: with `--pin` (default when there are at least 2 cores) the router
 under test runs on core 0 alone (`taskset -c 0`), and wrk and the fake workers of both sides on
@@ -138,6 +142,26 @@ class Procs:
                 p.kill()
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) so far of a process and every descendant still alive (the
+    supervisor's router processes, sglang-router's threads are in its own count)."""
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            fields = pathlib.Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            tasks = os.listdir(f"/proc/{p}/task")
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (stat fields 14 and 15)
+        for t in tasks:
+            try:
+                stack += [int(c) for c in pathlib.Path(f"/proc/{p}/task/{t}/children").read_text().split()]
+            except FileNotFoundError:
+                continue
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def body(max_tokens: int, stream: bool) -> str:
     return json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
                        "ignore_eos": True, "stream": stream})
@@ -209,7 +233,8 @@ def chunks_sent(proc: subprocess.Popen, log: pathlib.Path) -> tuple[int, int]:
 
 
 def median_of(runs: list[dict]) -> dict:
-    keys = ("rps", "p50_ms", "p90_ms", "p99_ms", "mean_ms", "tokens_per_s", "decode_tokens_per_chunk")
+    keys = ("rps", "p50_ms", "p90_ms", "p99_ms", "mean_ms", "tokens_per_s", "decode_tokens_per_chunk",
+            "router_cpu_us_per_request")
     return {k: round(statistics.median(r[k] for r in runs), 3) for k in keys if k in runs[0]} | {
         "errors": sum(r["errors"] for r in runs)}
 
@@ -258,6 +283,7 @@ def main() -> int:
         tmp = pathlib.Path(tmpdir)
         procs = Procs(tmp, pin)
         urls: dict[str, str] = {}
+        routers: dict[str, int] = {}  # side → the router's pid, for its CPU time per request
         fake_decode: subprocess.Popen | None = None  # pdmesh's, asked for its chunk counts
         try:
             if "sglang" in sides:
@@ -270,6 +296,7 @@ def main() -> int:
                                               "--decode", f"http://127.0.0.1:{sd}", "--policy", "round_robin",
                                               "--host", "127.0.0.1", "--port", str(sr)], router_core)
                 urls["sglang"] = f"http://127.0.0.1:{sr}"
+                routers["sglang"] = procs.procs[-1].pid
             if "pdmesh" in sides:
                 pp, pd, pr = free_port(), free_port(), free_port()
                 for role, port in (("prefill", pp), ("decode", pd)):
@@ -280,6 +307,7 @@ def main() -> int:
                                               "--policy", "round_robin", "--processes", str(processes[0])],
                             router_core)
                 urls["pdmesh"] = f"http://127.0.0.1:{pr}"
+                routers["pdmesh"] = procs.procs[-1].pid
                 fake_decode = procs.procs[-2]
             for n in processes[1:]:
                 if f"pdmesh_p{n}" not in sides:
@@ -293,6 +321,7 @@ def main() -> int:
                                                      f"127.0.0.1:{nd}", "--policy", "round_robin",
                                                      "--processes", str(n)], router_core)
                 urls[f"pdmesh_p{n}"] = f"http://127.0.0.1:{nr}"
+                routers[f"pdmesh_p{n}"] = procs.procs[-1].pid
             if "baseline" in sides:  # the same processes, from the other checkout's files
                 root = args.baseline.resolve()
                 bp, bd, br = free_port(), free_port(), free_port()
@@ -303,6 +332,7 @@ def main() -> int:
                                                 "--prefill", f"127.0.0.1:{bp}", "--decode", f"127.0.0.1:{bd}",
                                                 "--policy", "round_robin"], router_core, root)
                 urls["baseline"] = f"http://127.0.0.1:{br}"
+                routers["baseline"] = procs.procs[-1].pid
             for floor in ("floor", "floor_lane"):
                 if floor not in sides:
                     continue
@@ -314,6 +344,7 @@ def main() -> int:
                                     f"127.0.0.1:{fp}", "--decode", f"127.0.0.1:{fd}",
                                     *(["--lane"] if floor == "floor_lane" else [])], router_core)
                 urls[floor] = f"http://127.0.0.1:{fr}"
+                routers[floor] = procs.procs[-1].pid
             for side, url in urls.items():
                 wait_http(url + "/v1/completions", 60, f"{side} router", post=body(1, False).encode())
                 if side.startswith("floor"):
@@ -336,8 +367,12 @@ def main() -> int:
                     order = measured if r % 2 == 0 else list(reversed(measured))
                     for side in order:
                         sent = chunks_sent(fake_decode, tmp / "pdmesh-fake-decode.log") if side == "pdmesh" else None
+                        cpu0 = tree_cpu_seconds(routers[side])
                         res = run_wrk(wrk, urls[side] + "/v1/completions", script, conns, args.seconds,
                                       other_cores, pin)
+                        if res["requests"]:
+                            used = tree_cpu_seconds(routers[side]) - cpu0
+                            res["router_cpu_us_per_request"] = round(used * 1e6 / res["requests"], 1)
                         if stream:
                             res["tokens_per_s"] = round(res["rps"] * max_tokens, 1)
                         if sent is not None:
@@ -359,6 +394,11 @@ def main() -> int:
                         case[f"ratio_{a}_over_{b}"] = {
                             "rps": round(p["rps"] / s["rps"], 3) if s["rps"] else None,
                             "p50_ms": round(p["p50_ms"] / s["p50_ms"], 3) if s["p50_ms"] else None,
+                            # > 1: pdmesh's router spends that many times the CPU on a request, so it needs
+                            # that many cores (--processes) for the other's requests/s on one
+                            "router_cpu_per_request": round(p["router_cpu_us_per_request"]
+                                                            / s["router_cpu_us_per_request"], 3)
+                            if p.get("router_cpu_us_per_request") and s.get("router_cpu_us_per_request") else None,
                         }
                 results[name] = case
         finally:

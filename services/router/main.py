@@ -40,8 +40,8 @@ def main(argv=None) -> None:
     if args.max_migrations < 0 or args.stream_stall_timeout <= 0:
         log.error("--max-migrations must be 0 or more and --stream-stall-timeout positive")
         sys.exit(2)
-    if args.processes < 1:
-        log.error("--processes must be 1 or more")
+    if args.processes < 1 or (args.processes > 1 and args.port == 0):
+        log.error("--processes must be 1 or more, and more than 1 needs a fixed --port (not 0)")
         sys.exit(2)
     try:
         for spec in (*args.prefill, *args.decode):

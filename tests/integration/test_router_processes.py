@@ -127,7 +127,7 @@ def test_the_processes_share_the_port_and_one_metrics(fakes, routers):
 
 
 def test_max_concurrent_requests_bounds_the_whole_router(fakes, routers):
-    fakes.decode.behaviour = Behaviour(delay=2.0)  # each admitted request holds its slot for 2 s
+    fakes.decode.behaviour = Behaviour(delay=4.0)  # each admitted request holds its slot for 4 s
     r = Router(fakes, "--max-concurrent-requests", "3")
     routers.append(r)
     with ThreadPoolExecutor(9) as pool:
@@ -197,3 +197,13 @@ def test_a_taken_port_fails_at_start(fakes, routers):
             cwd=REPO, capture_output=True, text=True, timeout=60,
         )
     assert out.returncode == 1 and "cannot bind the router's port" in out.stderr + out.stdout
+
+
+@pytest.mark.parametrize("flags", [("--processes", "0"), ("--processes", "2", "--port", "0")])
+def test_impossible_process_counts_are_refused(flags):
+    out = subprocess.run(
+        [sys.executable, "-m", "services.router", "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2",
+         "--log-format", "json", *flags],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 2 and "--processes" in out.stderr, out.stderr[-2000:]

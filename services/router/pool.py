@@ -171,6 +171,8 @@ class WorkerPool:
             group[:] = keep
         for w in [w for w in self._retired if w.inflight == 0]:
             self._retired.remove(w)
+            if self.shared is not None:
+                self.shared.publish(w.key, 0, w.ejections)  # no longer published: leave it at rest
             await self._disconnect(w)
 
     def _retire(self, w: Worker) -> None:

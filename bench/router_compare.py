@@ -40,6 +40,7 @@ router, wrk and the workers then share both cores).
 
 Usage: python bench/router_compare.py [--seconds 5] [--rounds 2] [--stream-tokens 64] [--no-pin]
        [--only pdmesh|sglang] [--floor] [--baseline DIR] [--processes 1,2] [--router-cores K]
+       [--sglang-cores K]
 """
 
 from __future__ import annotations
@@ -257,6 +258,9 @@ def main() -> int:
                          "'pdmesh', each other N a side 'pdmesh_pN')")
     ap.add_argument("--router-cores", type=int, default=1,
                     help="with pinning: cores 0..K-1 for the router under test, the rest for wrk and the workers")
+    ap.add_argument("--sglang-cores", type=int, default=None,
+                    help="with pinning: cores 0..K-1 for sglang-router (default: --router-cores), e.g. 1 against "
+                         "pdmesh's --router-cores 5 --processes 1,5 to see what parity takes")
     ap.add_argument("--serve-fake-grpc", nargs=2, metavar=("ROLE", "PORT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_fake_grpc:
@@ -268,6 +272,8 @@ def main() -> int:
     k = max(1, min(args.router_cores, ncpu - 1))
     router_core, other_cores = (f"0-{k - 1}" if k > 1 else "0"), f"{k}-{ncpu - 1}"
     processes = [int(x) for x in args.processes.split(",") if x.strip()]
+    ks = max(1, min(args.sglang_cores or k, k))
+    sglang_core = f"0-{ks - 1}" if ks > 1 else "0"
     wrk = ensure_wrk()
     sides = ["sglang", "pdmesh"] if args.only is None else [args.only]
     if args.only != "sglang":
@@ -294,7 +300,7 @@ def main() -> int:
                 procs.start("sglang-router", [str(sgl_py), "-m", "sglang_router.launch_router", "--pd-disaggregation",
                                               "--prefill", f"http://127.0.0.1:{sp}", "none",
                                               "--decode", f"http://127.0.0.1:{sd}", "--policy", "round_robin",
-                                              "--host", "127.0.0.1", "--port", str(sr)], router_core)
+                                              "--host", "127.0.0.1", "--port", str(sr)], sglang_core)
                 urls["sglang"] = f"http://127.0.0.1:{sr}"
                 routers["sglang"] = procs.procs[-1].pid
             if "pdmesh" in sides:
@@ -419,8 +425,8 @@ def main() -> int:
             "floor_lane": "bench/router_floor.py --lane: the same with both calls over the lane (one stream per "
                           "worker, as the router sends them)",
             "load_generator": "wrk -t 1, Lua POST body, its own process",
-            "pinning": (f"taskset: router under test on core {router_core}; wrk and fake workers on cores "
-                        f"{other_cores}") if pin else "none",
+            "pinning": (f"taskset: router under test on cores {router_core} (sglang-router: {sglang_core}); wrk "
+                        f"and fake workers on cores {other_cores}") if pin else "none",
             "cpus": ncpu, "seconds": args.seconds, "rounds": args.rounds, "prompt_chars": len(PROMPT),
             "load_avg_before": load_before, "load_avg_after": [round(x, 2) for x in os.getloadavg()],
             "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),

@@ -149,6 +149,10 @@ ROUTER_FLAGS = [
          "router processes serving the port together (SO_REUSEPORT), under one supervisor that restarts "
          "any that dies; they share admission (--max-concurrent-requests is for all), each worker's "
          "in-flight load and ejections, and one /metrics. More than 1 needs as many free cores to help"),
+    Flag("process-stall-timeout", float, 10.0,
+         "with --processes > 1: seconds a router process's event loop may go without a heartbeat (every "
+         "20 ms) before the supervisor kills and replaces it (a frozen process would keep its share of "
+         "new connections unanswered)"),
     Flag("log-level", str, "info", "debug, info, warning or error"),
     Flag("log-format", str, "auto",
          "auto (human-readable lines when stderr is a terminal, JSON lines otherwise), console or json",

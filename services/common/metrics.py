@@ -125,6 +125,16 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+def router_processes_exposition(configured: int, scraped: int) -> bytes:
+    """The gauges a scrape of a router with --processes N > 1 adds to its processes' series
+    (services/router/sibling_metrics.py): how many there are, and how many this scrape holds."""
+    r = CollectorRegistry()
+    Gauge(PREFIX + "router_processes", "router processes configured (--processes)", registry=r).set(configured)
+    Gauge(PREFIX + "router_processes_scraped", "router processes whose series this scrape holds",
+          registry=r).set(scraped)
+    return generate_latest(r)
+
+
 # services/router/migration.py's reasons: the decode's stream failed, the pool ejected it, it went
 # silent past --stream-stall-timeout, or its stream ended without a finish reason.
 ROUTER_MIGRATION_REASONS = ("decode_failed", "decode_ejected", "decode_stalled", "stream_ended")

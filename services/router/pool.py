@@ -224,6 +224,7 @@ class WorkerPool:
         ejected if that probe fails), so a dead or frozen worker leaves every process's rotation
         about as fast as it leaves the first one's."""
         shared = self.shared
+        shared.beat()  # the supervisor replaces a process whose heartbeat stops
         for w in (*self.workers, *self._retired):
             if not shared.publish(w.key, w.inflight, w.ejections) and not self._share_full_logged:
                 self._share_full_logged = True

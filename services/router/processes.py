@@ -12,7 +12,9 @@ shared state zeroed first, with a backoff that grows while replacements keep dyi
 SIGTERM / SIGINT on for a graceful stop, and removes the shared folder at the end. The processes
 run in their own session, so a terminal's Ctrl-C reaches them once (through the supervisor), and
 they ask the kernel to kill them when the supervisor dies, so a SIGKILLed router leaves no
-process holding the port.
+process holding the port. It also kills (then replaces) a process whose heartbeat in the shared
+state has stopped for `--process-stall-timeout`: a frozen or wedged process keeps its listening
+socket, and the kernel would go on handing it new connections that nobody answers.
 """
 
 from __future__ import annotations
@@ -87,8 +89,9 @@ def die_with_supervisor(supervisor_pid: int) -> None:
 
 
 class Supervisor:
-    def __init__(self, argv: list[str], processes: int, host: str, port: int, log):
+    def __init__(self, argv: list[str], processes: int, host: str, port: int, log, stall_timeout: float = 10.0):
         self.argv, self.processes, self.host, self.port, self.log = argv, processes, host, port, log
+        self.stall_timeout = stall_timeout
         self.children: list[subprocess.Popen | None] = [None] * processes
         self.started = [0.0] * processes
         self.backoff = [RESTART_MIN] * processes
@@ -146,6 +149,11 @@ class Supervisor:
                 continue
             code = child.poll()
             if code is None:
+                age = self.state.heartbeat_age(i)
+                if age is not None and age > self.stall_timeout:
+                    self.log.error("router process stopped beating; killing it", process=i, pid=child.pid,
+                                   silent_s=round(age, 1))
+                    child.kill()  # reaped and replaced at the next round, as any death
                 continue
             self.state.clear_row(i)  # what it had admitted and in flight no longer counts
             lived = now - self.started[i]

@@ -19,6 +19,7 @@ import os
 from collections.abc import Callable
 
 from services.common.logging_setup import get_logger
+from services.common.metrics import router_processes_exposition
 
 log = get_logger("router.siblings")
 
@@ -71,15 +72,7 @@ class SiblingMetrics:
         others = [i for i in range(self.processes) if i != self.index]
         texts = await asyncio.gather(*(self._fetch(i) for i in others))
         got = [self.own(), *(t for t in texts if t)]
-        scraped = (
-            b"# HELP pdmesh:router_processes_scraped router processes whose series this scrape holds\n"
-            b"# TYPE pdmesh:router_processes_scraped gauge\n"
-            b"pdmesh:router_processes_scraped %d\n"
-            b"# HELP pdmesh:router_processes router processes configured (--processes)\n"
-            b"# TYPE pdmesh:router_processes gauge\n"
-            b"pdmesh:router_processes %d\n" % (len(got), self.processes)
-        )
-        return merge_expositions(got) + scraped
+        return merge_expositions(got) + router_processes_exposition(self.processes, len(got))
 
 
 def merge_expositions(texts: list[bytes]) -> bytes:

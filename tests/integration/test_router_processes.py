@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -83,6 +84,15 @@ class Router:
         f = self.metrics()[family]
         return {s.labels["worker"]: s.value for s in f.samples if s.name.endswith(suffix)}
 
+    def assert_settled(self, fakes: Fakes) -> None:
+        """Nothing left in flight: every process's running gauge at 0, every fake's RPCs ended."""
+        def settled() -> bool:
+            running = self.per_process("pdmesh:num_running_reqs", suffix="reqs")
+            return (len(running) == self.processes and all(v == 0 for v in running.values())
+                    and fakes.prefill.seen.active == 0 and fakes.decode.seen.active == 0)
+
+        wait_for(settled, 10, "the router and the fake workers to hold nothing in flight")
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
@@ -120,10 +130,8 @@ def test_the_processes_share_the_port_and_one_metrics(fakes, routers):
     served = r.per_process("pdmesh:num_requests")
     assert len(served) == 2 and all(n > 0 for n in served.values()), served  # both processes served
     assert sum(served.values()) == 48
-    running = r.per_process("pdmesh:num_running_reqs", suffix="reqs")
-    assert running and all(v == 0 for v in running.values())
-    assert fakes.prefill.seen.active == 0 and fakes.decode.seen.active == 0
     assert httpx.get(r.url + "/v1/models", timeout=5).status_code == 200
+    r.assert_settled(fakes)
 
 
 def test_max_concurrent_requests_bounds_the_whole_router(fakes, routers):
@@ -134,6 +142,7 @@ def test_max_concurrent_requests_bounds_the_whole_router(fakes, routers):
         codes = sorted(pool.map(lambda _: post_new_connection(r.url), range(9)))
     assert codes == [200] * 3 + [429] * 6, codes
     assert sum(r.per_process("pdmesh:num_requests").values()) == 3
+    r.assert_settled(fakes)
 
 
 def test_a_dead_process_is_replaced_and_the_router_keeps_serving(fakes, routers):
@@ -148,6 +157,26 @@ def test_a_dead_process_is_replaced_and_the_router_keeps_serving(fakes, routers)
         codes = list(pool.map(lambda _: post_new_connection(r.url), range(16)))
     assert codes == [200] * 16
     assert "router process died; replacing it" in r.log_path.read_text()
+    r.assert_settled(fakes)
+
+
+def test_a_frozen_process_is_killed_and_replaced(fakes, routers):
+    """SIGSTOP: the process keeps its socket, so the kernel would keep handing it connections
+    nobody answers; its heartbeat stops and the supervisor replaces it within the stall timeout."""
+    r = Router(fakes, "--process-stall-timeout", "1.5")
+    routers.append(r)
+    before = r.children()
+    os.kill(before[0], signal.SIGSTOP)
+    t0 = time.monotonic()
+    wait_for(lambda: before[0] not in r.children() and len(r.children()) == 2, 15,
+             "the frozen process to be replaced")
+    assert time.monotonic() - t0 < 8
+    wait_for(r.all_serving, 30, "every router process to serve again")
+    with ThreadPoolExecutor(4) as pool:
+        codes = list(pool.map(lambda _: post_new_connection(r.url), range(16)))
+    assert codes == [200] * 16
+    assert "router process stopped beating; killing it" in r.log_path.read_text()
+    r.assert_settled(fakes)
 
 
 def test_sigterm_stops_every_process_and_removes_the_shared_folder(fakes, routers):
@@ -207,3 +236,39 @@ def test_impossible_process_counts_are_refused(flags):
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )
     assert out.returncode == 2 and "--processes" in out.stderr, out.stderr[-2000:]
+
+
+def test_a_frozen_decode_costs_clients_nothing_with_two_router_processes(mesh):
+    """Real workers behind --processes 2: SIGSTOP a decode under load. Each process stops using it
+    (its own probes and stall rule, and the other's ejection, shared), every request succeeds,
+    both processes show it ejected, and after SIGCONT the queues and pages end whole."""
+    from tests.integration.test_router_mesh import DECODE_FLAGS, PREFILL_FLAGS, ROUTER_FLAGS, ClientLoad
+
+    p = mesh.start_prefill(*PREFILL_FLAGS, wait=False)
+    ds = [mesh.start_decode(*DECODE_FLAGS, wait=False) for _ in range(2)]
+    for w in (p, *ds):
+        mesh.wait_healthy(w)
+    r = mesh.start_router([p], ds, *ROUTER_FLAGS, "--processes", "2", "--stream-stall-timeout", "2",
+                          "--request-timeout", "30")
+
+    def healthy_in_each_process(addr: str) -> list[float]:
+        text = httpx.get(r.http_url + "/metrics", timeout=5).text
+        fam = {f.name: f for f in text_string_to_metric_families(text)}["pdmesh:worker_healthy"]
+        return [s.value for s in fam.samples if s.labels["target"] == addr]
+
+    wait_for(lambda: healthy_in_each_process(ds[0].grpc_addr) == [1.0, 1.0], 30, "both processes to admit both decodes")
+    load = ClientLoad(r.http_url, max_tokens=24, http_timeout=40, clients=6)
+    try:
+        wait_for(lambda: load.successes_since(0) >= 8, 60, "load to flow")
+        t_stop = time.monotonic()
+        ds[0].stop()  # SIGSTOP
+        wait_for(lambda: healthy_in_each_process(ds[0].grpc_addr) == [0.0, 0.0], 15,
+                 "both router processes to eject the frozen decode")
+        wait_for(lambda: load.successes_since(t_stop + 3) >= 12, 60, "requests to keep succeeding on the other decode")
+    finally:
+        ds[0].cont()
+        load.stop(60)
+    failed = [detail for _, _, ok, detail in load.results if not ok]
+    assert not failed, f"requests failed across the freeze: {failed[:3]}"
+    wait_for(lambda: healthy_in_each_process(ds[0].grpc_addr) == [1.0, 1.0], 30, "the thawed decode to be re-admitted")
+    mesh.assert_invariants()

@@ -5,15 +5,18 @@ one /metrics. Two views of one state file stand for two processes; the pools tal
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import multiprocessing
+import os
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.metrics import Metrics
 from services.router.pool import WorkerPool, load_of
-from services.router.shared_state import MAX_WORKERS, SharedState, state_path, worker_key
-from services.router.sibling_metrics import SiblingMetrics, merge_expositions
+from services.router.shared_state import ADMIT_LOCK_WAIT, MAX_WORKERS, SharedState, state_path, worker_key
+from services.router.sibling_metrics import SIBLING_TIMEOUT, SiblingMetrics, merge_expositions, socket_path
 from tests.fake_workers import FakeDecode, FakePrefill
 
 pytestmark = pytest.mark.timeout(30)
@@ -65,6 +68,28 @@ def test_peers_sum_per_worker_and_leave_out_our_own_row(tmp_path):
     assert views[2].peers()[k1].inflight == 2
     for v in views:
         v.close()
+
+
+def test_a_holder_frozen_with_the_lock_does_not_stop_admission(two):
+    a, _ = two
+    holder = os.open(a.path, os.O_RDWR)  # another process, frozen mid-admission
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        t0 = time.monotonic()
+        assert a.try_admit(2) and a.try_admit(2) and not a.try_admit(2)  # the count still bounds it
+        assert time.monotonic() - t0 < 3 * ADMIT_LOCK_WAIT + 0.2
+    finally:
+        os.close(holder)
+    assert a.try_admit(3)  # the lock is free again
+
+
+def test_heartbeats(two):
+    a, b = two
+    assert b.heartbeat_age(0) is None  # not beating yet: the supervisor leaves it be
+    a.beat()
+    assert 0 <= b.heartbeat_age(0) < 0.5
+    b.clear_row(0)
+    assert b.heartbeat_age(0) is None
 
 
 def test_a_full_row_refuses_more_workers(two):
@@ -201,6 +226,25 @@ async def _sibling_metrics_gather(tmp_path):
     finally:
         for s in sibs[:2]:
             await s.close()
+
+
+def test_a_sibling_that_never_answers_is_left_out_in_bounded_time(tmp_path):
+    asyncio.run(_silent_sibling(tmp_path))
+
+
+async def _silent_sibling(tmp_path):
+    async def never_answer(reader, writer):
+        await asyncio.sleep(30)
+
+    silent = await asyncio.start_unix_server(never_answer, path=socket_path(str(tmp_path), 1))
+    own = SiblingMetrics(str(tmp_path), 2, 0, _metrics("router-h-1-p0", 1).exposition)
+    try:
+        t0 = time.monotonic()
+        text = (await own.exposition()).decode()
+        assert time.monotonic() - t0 < SIBLING_TIMEOUT + 1
+        assert "pdmesh:router_processes_scraped 1" in text and 'worker="router-h-1-p0"' in text
+    finally:
+        silent.close()
 
 
 def test_worker_keys_are_stable_and_distinct():

@@ -303,54 +303,29 @@ def main() -> int:
                                               "--host", "127.0.0.1", "--port", str(sr)], sglang_core)
                 urls["sglang"] = f"http://127.0.0.1:{sr}"
                 routers["sglang"] = procs.procs[-1].pid
+            def grpc_side(side: str, router: list[str], root: pathlib.Path = ROOT) -> None:
+                """Two instant fake gRPC workers (one process each) and `router` in front of them."""
+                p, d, r = free_port(), free_port(), free_port()
+                for role, port in (("prefill", p), ("decode", d)):
+                    procs.start(f"{side}-fake-{role}", [sys.executable, "bench/router_compare.py", "--serve-fake-grpc",
+                                                        role, str(port)], other_cores, root)
+                procs.start(f"{side}-router", [sys.executable, *router, "--port", str(r), "--prefill",
+                                               f"127.0.0.1:{p}", "--decode", f"127.0.0.1:{d}"], router_core, root)
+                urls[side] = f"http://127.0.0.1:{r}"
+                routers[side] = procs.procs[-1].pid
+
+            pdmesh_router = ["-m", "services.router", "--policy", "round_robin"]
             if "pdmesh" in sides:
-                pp, pd, pr = free_port(), free_port(), free_port()
-                for role, port in (("prefill", pp), ("decode", pd)):
-                    procs.start(f"pdmesh-fake-{role}", [sys.executable, __file__, "--serve-fake-grpc", role,
-                                                        str(port)], other_cores)
-                procs.start("pdmesh-router", [sys.executable, "-m", "services.router", "--port", str(pr),
-                                              "--prefill", f"127.0.0.1:{pp}", "--decode", f"127.0.0.1:{pd}",
-                                              "--policy", "round_robin", "--processes", str(processes[0])],
-                            router_core)
-                urls["pdmesh"] = f"http://127.0.0.1:{pr}"
-                routers["pdmesh"] = procs.procs[-1].pid
+                grpc_side("pdmesh", [*pdmesh_router, "--processes", str(processes[0])])
                 fake_decode = procs.procs[-2]
             for n in processes[1:]:
-                if f"pdmesh_p{n}" not in sides:
-                    continue
-                np_, nd, nr = free_port(), free_port(), free_port()
-                for role, port in (("prefill", np_), ("decode", nd)):
-                    procs.start(f"pdmesh-p{n}-fake-{role}", [sys.executable, __file__, "--serve-fake-grpc", role,
-                                                            str(port)], other_cores)
-                procs.start(f"pdmesh-p{n}-router", [sys.executable, "-m", "services.router", "--port", str(nr),
-                                                     "--prefill", f"127.0.0.1:{np_}", "--decode",
-                                                     f"127.0.0.1:{nd}", "--policy", "round_robin",
-                                                     "--processes", str(n)], router_core)
-                urls[f"pdmesh_p{n}"] = f"http://127.0.0.1:{nr}"
-                routers[f"pdmesh_p{n}"] = procs.procs[-1].pid
+                if f"pdmesh_p{n}" in sides:
+                    grpc_side(f"pdmesh_p{n}", [*pdmesh_router, "--processes", str(n)])
             if "baseline" in sides:  # the same processes, from the other checkout's files
-                root = args.baseline.resolve()
-                bp, bd, br = free_port(), free_port(), free_port()
-                for role, port in (("prefill", bp), ("decode", bd)):
-                    procs.start(f"baseline-fake-{role}", [sys.executable, "bench/router_compare.py",
-                                                          "--serve-fake-grpc", role, str(port)], other_cores, root)
-                procs.start("baseline-router", [sys.executable, "-m", "services.router", "--port", str(br),
-                                                "--prefill", f"127.0.0.1:{bp}", "--decode", f"127.0.0.1:{bd}",
-                                                "--policy", "round_robin"], router_core, root)
-                urls["baseline"] = f"http://127.0.0.1:{br}"
-                routers["baseline"] = procs.procs[-1].pid
+                grpc_side("baseline", pdmesh_router, args.baseline.resolve())
             for floor in ("floor", "floor_lane"):
-                if floor not in sides:
-                    continue
-                fp, fd, fr = free_port(), free_port(), free_port()
-                for role, port in (("prefill", fp), ("decode", fd)):
-                    procs.start(f"{floor}-fake-{role}", [sys.executable, __file__, "--serve-fake-grpc", role,
-                                                         str(port)], other_cores)
-                procs.start(floor, [sys.executable, "bench/router_floor.py", "--port", str(fr), "--prefill",
-                                    f"127.0.0.1:{fp}", "--decode", f"127.0.0.1:{fd}",
-                                    *(["--lane"] if floor == "floor_lane" else [])], router_core)
-                urls[floor] = f"http://127.0.0.1:{fr}"
-                routers[floor] = procs.procs[-1].pid
+                if floor in sides:
+                    grpc_side(floor, ["bench/router_floor.py", *(["--lane"] if floor == "floor_lane" else [])])
             for side, url in urls.items():
                 wait_http(url + "/v1/completions", 60, f"{side} router", post=body(1, False).encode())
                 if side.startswith("floor"):

@@ -222,9 +222,9 @@ class LaneDecodeCall(_Call):
 class Lane:
     """One worker's lane: opened on the first call, re-opened by the first call after it failed."""
 
-    def __init__(self, open_stream, addr: str, fallback, on_failure=None) -> None:
-        self._open_stream, self.addr = open_stream, addr
-        self.fallback = fallback  # the worker's own stub: one RPC per call when it has no lane
+    def __init__(self, stub, addr: str, on_failure=None) -> None:
+        self.addr = addr
+        self.fallback = stub  # the worker's own stub: its Lane method opens the stream; one RPC per call without it
         # called with the status when the stream fails: the lane is a connection held open to the
         # worker, so a worker that dies is noticed at once (the pool probes it), calls or not
         self._on_failure = on_failure
@@ -256,7 +256,7 @@ class Lane:
 
     def _open(self) -> None:
         md = ((TOKEN_KEY, internal_token()),) if internal_token() else None
-        self._stream = stream = self._open_stream(metadata=md)
+        self._stream = stream = self.fallback.Lane(metadata=md)
         self._wake = asyncio.Event()
         self.opened += 1
         self._tasks = [asyncio.ensure_future(self._write_loop(stream, self._wake)),
@@ -337,11 +337,12 @@ class Lane:
 
 
 class LaneStub:
-    """The worker's stub with Prefill / Decode on its lane (`lane=False`: the stub itself)."""
+    """The worker's stub with Prefill / Decode on its lane (the pool uses the bare stub when
+    --worker-lane is false)."""
 
     def __init__(self, stub, addr: str, on_failure=None) -> None:
         self._stub = stub
-        self.lane = Lane(stub.Lane, addr, stub, on_failure)
+        self.lane = Lane(stub, addr, on_failure)
 
     def __getattr__(self, name):  # Load, Abort, and Prefill / Decode of a lane-less worker
         return getattr(self._stub, name)

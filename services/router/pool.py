@@ -233,8 +233,8 @@ class WorkerPool:
         for w in self.workers:
             view = peers.get(w.key, NO_PEERS)
             w.peer_inflight = view.inflight
-            if view.ejections > w.peer_ejections and w.healthy:
-                self.report_failure(w, grpc.StatusCode.UNAVAILABLE)
+            if view.ejections > w.peer_ejections:
+                self.confirm(w, "another router process ejected it")
             w.peer_ejections = view.ejections  # also when it fell: a restarted process starts from zero
 
     # --- probing -------------------------------------------------------------------------------
@@ -310,13 +310,18 @@ class WorkerPool:
     def report_failure(self, w: Worker, code: grpc.StatusCode | None) -> None:
         """A request failed on `w`. UNAVAILABLE may mean the worker is gone: probe it now, and
         eject it at once if the probe fails too."""
-        if code != grpc.StatusCode.UNAVAILABLE or not w.healthy:
+        if code == grpc.StatusCode.UNAVAILABLE:
+            self.confirm(w, "request failed with UNAVAILABLE")
+
+    def confirm(self, w: Worker, why: str) -> None:
+        """Something says `w` may be gone (`why`): probe it now, and eject it if the probe fails."""
+        if not w.healthy:
             return
 
         async def confirm() -> None:
             structlog.contextvars.unbind_contextvars("room", "request_id")
             if not await self.probe(w) and w.healthy:
-                self._mark(w, False, f"request failed with UNAVAILABLE and the probe failed: {w.last_error}")
+                self._mark(w, False, f"{why} and the probe failed: {w.last_error}")
 
         task = asyncio.ensure_future(confirm())
         self._background.add(task)

@@ -64,7 +64,10 @@ class DecodeServicer(LaneServicerMixin, wpb_grpc.DecodeServicer):
                         item = job.out.get_nowait()
                     else:
                         try:
-                            item = await asyncio.wait_for(job.out.get(), self.keepalive_interval)
+                            # not asyncio.wait_for: on Python 3.11 it swallows a cancel that lands
+                            # as the item arrives, and the room of a gone caller would decode on
+                            async with asyncio.timeout(self.keepalive_interval):
+                                item = await job.out.get()
                         except TimeoutError:
                             if not self.worker.is_computing(job):
                                 yield wpb.DecodeChunk(keepalive=True, prompt_tokens=len(ids))

@@ -201,10 +201,13 @@ class Attempt:
         token lists no alternatives rather than holding the stream."""
         if self._prefill_call is None:
             return []
-        try:
-            reply = await asyncio.wait_for(asyncio.shield(self._prefill_task), FIRST_TOP_WAIT_S)
-        except (TimeoutError, asyncio.CancelledError, grpc.aio.AioRpcError):
+        # asyncio.wait, not wait_for around a shield: a cancel of this task (client gone) must
+        # propagate, whatever became of the Prefill call
+        task = self._prefill_task
+        await asyncio.wait((task,), timeout=FIRST_TOP_WAIT_S)
+        if not task.done() or task.cancelled() or task.exception() is not None:
             return []
+        reply = task.result()
         top = reply.first_top_logprobs if reply is not None else None
         return list(zip(top.token_ids, top.logprobs, strict=True)) if top is not None else []
 

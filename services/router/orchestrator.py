@@ -114,13 +114,12 @@ class Orchestrator:
     def reap(self, task: asyncio.Task, call, deadline: float) -> None:
         async def wait() -> None:
             loop = asyncio.get_running_loop()
-            try:
-                await asyncio.wait_for(asyncio.shield(task), timeout=max(0.0, deadline - loop.time()))
-            except TimeoutError:
+            await asyncio.wait((task,), timeout=max(0.0, deadline - loop.time()))
+            if not task.done():
                 call.cancel()
                 task.cancel()
-            except BaseException:  # noqa: BLE001 - its outcome is logged by the attempt
-                pass
+            elif not task.cancelled():
+                task.exception()  # retrieved here; the attempt logs its outcome
 
         reaper = asyncio.ensure_future(wait())
         self._reapers.add(reaper)

@@ -32,7 +32,8 @@ class QueuedWorker:
         out: asyncio.Queue = asyncio.Queue()
         for item in self.items:
             out.put_nowait(item)
-        return SimpleNamespace(out=out)
+        self.job = SimpleNamespace(out=out)
+        return self.job
 
     def is_computing(self, job) -> bool:
         return True
@@ -82,3 +83,33 @@ def test_a_failure_behind_tokens_comes_after_them():
     chunks, error = asyncio.run(decode_stream(worker))
     assert [list(c.token_ids) for c in chunks] == [[40, 41]]
     assert error is not None and error.code() == grpc.StatusCode.INTERNAL and "pages lost" in error.details()
+
+
+def test_a_cancel_that_lands_with_a_token_aborts_the_room():
+    """The caller cancels in the same loop turn as a token arrives (client disconnect mid-stream):
+    the cancellation must reach the servicer, which aborts the room; it must not be lost to the
+    token (Python 3.11's asyncio.wait_for returns the result and drops the cancel)."""
+
+    async def scenario() -> tuple[list[int], bool]:
+        worker = QueuedWorker([tokens(40, 1)])
+        request = wpb.DecodeRequest(room=7, token_ids=[1, 2, 3], prefill_addr="127.0.0.1:1",
+                                    params=wpb.SamplingParams(max_tokens=8))
+        gen = DecodeServicer(worker, keepalive_interval=30).Decode(request, None)
+        first = await gen.__anext__()
+        assert list(first.token_ids) == [40]
+        reader = asyncio.ensure_future(gen.__anext__())
+        for _ in range(5):  # the servicer now waits on the empty queue
+            await asyncio.sleep(0)
+        worker.job.out.put_nowait(tokens(41, 2))
+        reader.cancel()
+        try:
+            await reader
+        except asyncio.CancelledError:
+            cancelled = True
+        else:
+            cancelled = False
+        return worker.aborted, cancelled
+
+    aborted, cancelled = asyncio.run(scenario())
+    assert cancelled, "the cancel was swallowed: the servicer went on to the next token"
+    assert aborted == [7]

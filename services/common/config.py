@@ -153,6 +153,9 @@ ROUTER_FLAGS = [
          "with --processes > 1: seconds a router process's event loop may go without a heartbeat (every "
          "20 ms) before the supervisor kills and replaces it (a frozen process would keep its share of "
          "new connections unanswered)"),
+    Flag("process-start-timeout", float, 60.0,
+         "with --processes > 1: seconds a router process may take from its start to its first heartbeat "
+         "before the supervisor kills and replaces it (one frozen or stuck while starting)"),
     Flag("log-level", str, "info", "debug, info, warning or error"),
     Flag("log-format", str, "auto",
          "auto (human-readable lines when stderr is a terminal, JSON lines otherwise), console or json",

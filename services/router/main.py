@@ -40,9 +40,10 @@ def main(argv=None) -> None:
     if args.max_migrations < 0 or args.stream_stall_timeout <= 0:
         log.error("--max-migrations must be 0 or more and --stream-stall-timeout positive")
         sys.exit(2)
-    if args.processes < 1 or (args.processes > 1 and args.port == 0) or args.process_stall_timeout <= 0:
+    if (args.processes < 1 or (args.processes > 1 and args.port == 0) or args.process_stall_timeout <= 0
+            or args.process_start_timeout <= 0):
         log.error("--processes must be 1 or more, more than 1 needs a fixed --port (not 0), and "
-                  "--process-stall-timeout must be positive")
+                  "--process-stall-timeout and --process-start-timeout must be positive")
         sys.exit(2)
     try:
         for spec in (*args.prefill, *args.decode):
@@ -51,7 +52,8 @@ def main(argv=None) -> None:
         log.error(str(e))
         sys.exit(2)
     if args.processes > 1 and child is None:
-        sys.exit(Supervisor(argv, args.processes, args.host, args.port, log, args.process_stall_timeout).run())
+        sys.exit(Supervisor(argv, args.processes, args.host, args.port, log, args.process_stall_timeout,
+                            args.process_start_timeout).run())
     configure_internal_token(args.internal_token_file, args.internal_token)  # presented on every call to the workers
     settings = RouterSettings.from_args(args)
     sockets = None

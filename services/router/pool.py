@@ -211,12 +211,12 @@ class WorkerPool:
                 log.error("health loop error", error=repr(e))
 
     async def _share_loop(self) -> None:
-        while True:
-            await asyncio.sleep(SHARE_INTERVAL)
+        while True:  # shares at once, then every SHARE_INTERVAL: the first heartbeat says "started"
             try:
                 self.share()
             except Exception as e:  # noqa: BLE001 - like the health loop, it must never die
                 log.error("sharing with the router's other processes failed", error=repr(e))
+            await asyncio.sleep(SHARE_INTERVAL)
 
     def share(self) -> None:
         """Publish our per-worker counts and read the other processes': their in-flight requests

@@ -13,8 +13,9 @@ SIGTERM / SIGINT on for a graceful stop, and removes the shared folder at the en
 run in their own session, so a terminal's Ctrl-C reaches them once (through the supervisor), and
 they ask the kernel to kill them when the supervisor dies, so a SIGKILLed router leaves no
 process holding the port. It also kills (then replaces) a process whose heartbeat in the shared
-state has stopped for `--process-stall-timeout`: a frozen or wedged process keeps its listening
-socket, and the kernel would go on handing it new connections that nobody answers.
+state has stopped for `--process-stall-timeout`, or never began within `--process-start-timeout`:
+a frozen or wedged process keeps its listening socket, and the kernel would go on handing it new
+connections that nobody answers.
 """
 
 from __future__ import annotations
@@ -89,9 +90,10 @@ def die_with_supervisor(supervisor_pid: int) -> None:
 
 
 class Supervisor:
-    def __init__(self, argv: list[str], processes: int, host: str, port: int, log, stall_timeout: float = 10.0):
+    def __init__(self, argv: list[str], processes: int, host: str, port: int, log, stall_timeout: float = 10.0,
+                 start_timeout: float = 60.0):
         self.argv, self.processes, self.host, self.port, self.log = argv, processes, host, port, log
-        self.stall_timeout = stall_timeout
+        self.stall_timeout, self.start_timeout = stall_timeout, start_timeout
         self.children: list[subprocess.Popen | None] = [None] * processes
         self.started = [0.0] * processes
         self.backoff = [RESTART_MIN] * processes
@@ -154,6 +156,11 @@ class Supervisor:
                     self.log.error("router process stopped beating; killing it", process=i, pid=child.pid,
                                    silent_s=round(age, 1))
                     child.kill()  # reaped and replaced at the next round, as any death
+                elif age is None and now - self.started[i] > self.start_timeout:
+                    # frozen or stuck before its loop ran: it may already hold its socket
+                    self.log.error("router process never began beating; killing it", process=i, pid=child.pid,
+                                   starting_s=round(now - self.started[i], 1))
+                    child.kill()
                 continue
             self.state.clear_row(i)  # what it had admitted and in flight no longer counts
             lived = now - self.started[i]

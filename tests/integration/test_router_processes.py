@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -17,6 +18,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.router.processes import FOLDER_PREFIX
+from services.router.shared_state import SharedState, state_path
 from tests.fake_workers import Behaviour, FakeDecode, FakePrefill
 from tests.ports import free_port
 from tests.unit.test_router_app import wait_for
@@ -46,7 +49,7 @@ class Fakes:
 
 
 class Router:
-    def __init__(self, fakes: Fakes, *extra: str, processes: int = 2):
+    def __init__(self, fakes: Fakes, *extra: str, processes: int = 2, wait: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdmesh-router-processes-{self.port}.log"
@@ -58,7 +61,8 @@ class Router:
             cwd=REPO, stdout=self.log_file, stderr=subprocess.STDOUT,
         )
         self.processes = processes
-        wait_for(self.all_serving, 60, "every router process to serve")
+        if wait:
+            wait_for(self.all_serving, 60, "every router process to serve")
 
     def children(self) -> list[int]:
         try:
@@ -66,6 +70,18 @@ class Router:
         except FileNotFoundError:
             return []
         return [int(p) for p in text.split()]
+
+    def heartbeats(self) -> list[float | None]:
+        """Each process's heartbeat age from the supervisor's shared folder (None: not beating yet)."""
+        for folder in Path("/dev/shm").glob(FOLDER_PREFIX + "*"):
+            with contextlib.suppress(OSError, ValueError):
+                if int((folder / "supervisor.pid").read_text()) == self.proc.pid:
+                    state = SharedState(state_path(str(folder)), self.processes, 0)
+                    try:
+                        return [state.heartbeat_age(i) for i in range(self.processes)]
+                    finally:
+                        state.close()
+        return [None] * self.processes
 
     def metrics(self) -> dict:
         text = httpx.get(self.url + "/metrics", timeout=5).text
@@ -76,7 +92,9 @@ class Router:
         try:
             if httpx.get(self.url + "/health", timeout=2).status_code != 200:
                 return False
-            return self.metrics()["pdmesh:router_processes_scraped"].samples[0].value == self.processes
+            if self.metrics()["pdmesh:router_processes_scraped"].samples[0].value != self.processes:
+                return False
+            return None not in self.heartbeats()  # and each one's loop is running
         except (httpx.HTTPError, KeyError):
             return False
 
@@ -179,6 +197,23 @@ def test_a_frozen_process_is_killed_and_replaced(fakes, routers):
     r.assert_settled(fakes)
 
 
+def test_a_process_frozen_while_starting_is_killed_and_replaced(fakes, routers):
+    """SIGSTOP before its first heartbeat (it may already hold its socket): the supervisor counts
+    from its start and replaces it after --process-start-timeout."""
+    r = Router(fakes, "--process-start-timeout", "2", "--process-stall-timeout", "60", wait=False)
+    routers.append(r)
+    first = wait_for(lambda: r.children()[:1], 10, "the supervisor to start its processes")[0]
+    os.kill(first, signal.SIGSTOP)  # within ms of its start: it is still importing
+    wait_for(lambda: first not in r.children() and len(r.children()) == 2, 15,
+             "the process frozen while starting to be replaced")
+    wait_for(r.all_serving, 30, "every router process to serve")
+    assert "router process never began beating; killing it" in r.log_path.read_text()
+    with ThreadPoolExecutor(4) as pool:
+        codes = list(pool.map(lambda _: post_new_connection(r.url), range(8)))
+    assert codes == [200] * 8
+    r.assert_settled(fakes)
+
+
 def test_sigterm_stops_every_process_and_removes_the_shared_folder(fakes, routers):
     r = Router(fakes)
     routers.append(r)
@@ -228,7 +263,9 @@ def test_a_taken_port_fails_at_start(fakes, routers):
     assert out.returncode == 1 and "cannot bind the router's port" in out.stderr + out.stdout
 
 
-@pytest.mark.parametrize("flags", [("--processes", "0"), ("--processes", "2", "--port", "0")])
+@pytest.mark.parametrize("flags", [("--processes", "0"), ("--processes", "2", "--port", "0"),
+                                   ("--processes", "2", "--process-start-timeout", "0"),
+                                   ("--processes", "2", "--process-stall-timeout", "-1")])
 def test_impossible_process_counts_are_refused(flags):
     out = subprocess.run(
         [sys.executable, "-m", "services.router", "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2",

@@ -137,11 +137,12 @@ class WorkerPool:
     # --- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
+        if self.shared is not None:  # first: its heartbeat tells the supervisor this loop runs,
+            # however long resolving and probing the workers take
+            self._background.add(asyncio.create_task(self._share_loop(), name="router-share"))
         await self.refresh_addresses()
         await self.probe_all()
         self._task = asyncio.create_task(self._loop(), name="router-health")
-        if self.shared is not None:
-            self._background.add(asyncio.create_task(self._share_loop(), name="router-share"))
 
     def _connect(self, w: Worker) -> Worker:
         w.channel = internal_channel(w.addr, CHANNEL_OPTIONS)  # keep-alive, internal token

@@ -77,7 +77,7 @@ def test_a_holder_frozen_with_the_lock_does_not_stop_admission(two):
         fcntl.flock(holder, fcntl.LOCK_EX)
         t0 = time.monotonic()
         assert a.try_admit(2) and a.try_admit(2) and not a.try_admit(2)  # the count still bounds it
-        assert time.monotonic() - t0 < 3 * ADMIT_LOCK_WAIT + 0.2
+        assert time.monotonic() - t0 < 3 * ADMIT_LOCK_WAIT + 1.0  # not held up by the frozen holder
     finally:
         os.close(holder)
     assert a.try_admit(3)  # the lock is free again

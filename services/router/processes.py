@@ -11,8 +11,8 @@ The supervisor serves nothing itself. It starts the processes, restarts one that
 shared state zeroed first, with a backoff that grows while replacements keep dying young), passes
 SIGTERM / SIGINT on for a graceful stop, and removes the shared folder at the end. The processes
 run in their own session, so a terminal's Ctrl-C reaches them once (through the supervisor), and
-they ask the kernel to kill them when the supervisor dies, so a SIGKILLed router leaves no
-process holding the port. It also kills (then replaces) a process whose heartbeat in the shared
+the kernel kills them when the supervisor dies (a death signal set before they exec), so a
+SIGKILLed router leaves no process holding the port. It also kills (then replaces) a process whose heartbeat in the shared
 state has stopped for `--process-stall-timeout`, or never began within `--process-start-timeout`:
 a frozen or wedged process keeps its listening socket, and the kernel would go on handing it new
 connections that nobody answers.
@@ -81,6 +81,24 @@ def child_identity() -> tuple[int, str, int] | None:
     return int(os.environ[ENV_INDEX]), os.environ[ENV_FOLDER], int(os.environ[ENV_SUPERVISOR])
 
 
+def death_signal_in_child(supervisor_pid: int):
+    """Popen's preexec_fn: the same request, made in the child before it execs Python (the death
+    signal survives exec). Without it a child frozen while importing, before die_with_supervisor
+    ran, would outlive a SIGKILLed supervisor, stopped for ever. libc is looked up here, in the
+    supervisor, so that the forked child only makes the call."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: die_with_supervisor cannot work either
+        return None
+
+    def arm() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != supervisor_pid:
+            os._exit(1)
+
+    return arm
+
+
 def die_with_supervisor(supervisor_pid: int) -> None:
     """Have the kernel SIGKILL this process when the supervisor dies (Linux), even by SIGKILL."""
     with contextlib.suppress(OSError, AttributeError):
@@ -99,6 +117,7 @@ class Supervisor:
         self.backoff = [RESTART_MIN] * processes
         self.due: list[float | None] = [None] * processes  # when a dead process is replaced
         self.stop_signal: int | None = None
+        self._arm = death_signal_in_child(os.getpid())  # the supervisor has no threads: preexec_fn is safe
 
     def run(self) -> int:
         try:  # the port must be free (or shared only with SO_REUSEPORT sockets of ours) before any start
@@ -137,7 +156,7 @@ class Supervisor:
         env = {**os.environ, ENV_INDEX: str(i), ENV_FOLDER: self.folder, ENV_SUPERVISOR: str(os.getpid())}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, env.get("PYTHONPATH", "")) if p)
         self.children[i] = subprocess.Popen([sys.executable, "-m", "services.router", *self.argv], env=env,
-                                            start_new_session=True)
+                                            start_new_session=True, preexec_fn=self._arm)
         self.started[i] = time.monotonic()
         self.due[i] = None
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.router.processes import FOLDER_PREFIX
+from services.router.processes import ENV_INDEX, FOLDER_PREFIX
 from services.router.shared_state import SharedState, state_path
 from tests.fake_workers import Behaviour, FakeDecode, FakePrefill
 from tests.ports import free_port
@@ -118,6 +118,14 @@ class Router:
         self.log_file.close()
 
 
+def process_gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie (it holds no port; with its parent gone, init reaps it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 @pytest.fixture
 def fakes():
     f = Fakes()
@@ -204,14 +212,38 @@ def test_a_process_frozen_while_starting_is_killed_and_replaced(fakes, routers):
     routers.append(r)
     first = wait_for(lambda: r.children()[:1], 10, "the supervisor to start its processes")[0]
     os.kill(first, signal.SIGSTOP)  # within ms of its start: it is still importing
-    wait_for(lambda: first not in r.children() and len(r.children()) == 2, 15,
-             "the process frozen while starting to be replaced")
-    wait_for(r.all_serving, 30, "every router process to serve")
-    assert "router process never began beating; killing it" in r.log_path.read_text()
-    with ThreadPoolExecutor(4) as pool:
-        codes = list(pool.map(lambda _: post_new_connection(r.url), range(8)))
-    assert codes == [200] * 8
-    r.assert_settled(fakes)
+    try:
+        wait_for(lambda: first not in r.children() and len(r.children()) == 2, 15,
+                 "the process frozen while starting to be replaced")
+        wait_for(r.all_serving, 30, "every router process to serve")
+        assert "router process never began beating; killing it" in r.log_path.read_text()
+        with ThreadPoolExecutor(4) as pool:
+            codes = list(pool.map(lambda _: post_new_connection(r.url), range(8)))
+        assert codes == [200] * 8
+        r.assert_settled(fakes)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(first, signal.SIGKILL)  # whatever the outcome, no stopped process is left behind
+
+
+def test_a_process_frozen_while_starting_dies_with_a_killed_supervisor(fakes, routers):
+    """The death signal is armed before the child execs Python: a child frozen while importing
+    (before it could arm it itself) still dies when the supervisor is SIGKILLed."""
+    r = Router(fakes, wait=False)
+    routers.append(r)
+    first = wait_for(lambda: r.children()[:1], 10, "the supervisor to start its processes")[0]
+    # frozen between fork and the arming nothing can save; after exec (its environment is the
+    # one the supervisor gave it) the signal is armed, and the child is still importing
+    wait_for(lambda: f"{ENV_INDEX}=".encode() in Path(f"/proc/{first}/environ").read_bytes(), 10,
+             "the first process to exec")
+    os.kill(first, signal.SIGSTOP)
+    try:
+        r.proc.kill()
+        r.proc.wait(10)
+        wait_for(lambda: process_gone(first), 10, "the frozen process to die with its supervisor")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(first, signal.SIGKILL)
 
 
 def test_sigterm_stops_every_process_and_removes_the_shared_folder(fakes, routers):
@@ -233,17 +265,8 @@ def test_a_killed_supervisor_takes_its_processes_with_it(fakes, routers):
     r.proc.kill()
     r.proc.wait(10)
 
-    def gone() -> bool:
-        for pid in children:
-            try:
-                status = Path(f"/proc/{pid}/stat").read_text().split()[2]
-            except FileNotFoundError:
-                continue
-            if status != "Z":  # a zombie holds no port; its parent is gone and init reaps it
-                return False
-        return True
-
-    wait_for(gone, 10, "the router processes to die with their supervisor")
+    wait_for(lambda: all(process_gone(pid) for pid in children), 10,
+             "the router processes to die with their supervisor")
     with pytest.raises(httpx.ConnectError):
         httpx.get(r.url + "/health", timeout=2)
 

@@ -2,7 +2,9 @@
 
 Starts the three services as child processes with the PDMESH_* settings of the environment
 (the Makefile loads deploy/pdmesh.env when present), waits until each is healthy, prints a
-ready-to-paste curl, and stops everything on Ctrl-C or when any service exits.
+ready-to-paste curl, and stops everything on Ctrl-C or when any service exits. The services die
+with the launcher even when it is SIGKILLed (services/common/parent_death.py), so nothing is left
+holding the mesh's ports.
 
 The children write to this terminal, with `--log-format auto`: human-readable lines when that
 is a terminal, JSON lines when the output goes to a file or a pipe (pdmesh.env's
@@ -18,6 +20,8 @@ import sys
 import time
 import urllib.request
 
+from services.common.parent_death import arm_in_child
+
 PREFILL_GRPC = int(os.environ.get("PDMESH_PREFILL_GRPC_PORT", 50051))
 PREFILL_HTTP = int(os.environ.get("PDMESH_PREFILL_HTTP_PORT", 8081))
 DECODE_GRPC = int(os.environ.get("PDMESH_DECODE_GRPC_PORT", 50052))
@@ -29,7 +33,8 @@ HOST = "127.0.0.1"
 def _start(role: str, args: list[str]) -> subprocess.Popen:
     args = [*args, "--log-format", "auto"]
     print(f"[mesh] starting {role}: python -m services.{role} {' '.join(args)}", flush=True)
-    return subprocess.Popen([sys.executable, "-m", f"services.{role}", *args])
+    # dies with this launcher even if it is SIGKILLed: nothing is left holding the mesh's ports
+    return subprocess.Popen([sys.executable, "-m", f"services.{role}", *args], preexec_fn=arm_in_child(os.getpid()))
 
 
 def _healthy(url: str) -> bool:

@@ -10,9 +10,10 @@ import uvicorn
 from services.common.config import ROUTER_FLAGS, parse_args
 from services.common.grpc_server import configure_internal_token
 from services.common.logging_setup import configure_logging, get_logger
+from services.common.parent_death import die_with
 from services.router.app import RouterSettings, create_app
 from services.router.discovery import split_host_port
-from services.router.processes import Supervisor, child_identity, die_with_supervisor, listening_socket
+from services.router.processes import Supervisor, child_identity, listening_socket
 
 DESCRIPTION = (
     "pdmesh router: the OpenAI-compatible HTTP API in front of prefill and decode workers "
@@ -25,7 +26,7 @@ def main(argv=None) -> None:
     args = parse_args("python -m services.router", DESCRIPTION, ROUTER_FLAGS, argv)
     child = child_identity()  # (index, shared folder, supervisor pid) in one of --processes N
     if child is not None:
-        die_with_supervisor(child[2])
+        die_with(child[2])
     name = f"router-{args.host}-{args.port}" + (f"-p{child[0]}" if child else "")
     configure_logging(args.log_level, args.log_format, service="router", worker=name)
     log = get_logger("router")

@@ -21,7 +21,6 @@ connections that nobody answers.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -32,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from services.common.parent_death import arm_in_child
 from services.router.shared_state import SharedState, state_path
 
 ENV_INDEX = "PDMESH_ROUTER_PROCESS_INDEX"  # set by the supervisor for its processes, never by users
@@ -41,7 +41,6 @@ ENV_SUPERVISOR = "PDMESH_ROUTER_SUPERVISOR_PID"
 RESTART_MIN, RESTART_MAX = 0.5, 10.0  # seconds before a dead process is replaced (doubling)
 LIVED_LONG = 10.0  # a process that served this long resets the backoff
 STOP_GRACE = 15.0  # seconds the processes get to finish after SIGTERM (uvicorn's own grace is 5)
-_PR_SET_PDEATHSIG = 1
 FOLDER_PREFIX = "pdmesh-router-"
 _REPO = str(Path(__file__).resolve().parents[2])
 
@@ -81,32 +80,6 @@ def child_identity() -> tuple[int, str, int] | None:
     return int(os.environ[ENV_INDEX]), os.environ[ENV_FOLDER], int(os.environ[ENV_SUPERVISOR])
 
 
-def death_signal_in_child(supervisor_pid: int):
-    """Popen's preexec_fn: the same request, made in the child before it execs Python (the death
-    signal survives exec). Without it a child frozen while importing, before die_with_supervisor
-    ran, would outlive a SIGKILLed supervisor, stopped for ever. libc is looked up here, in the
-    supervisor, so that the forked child only makes the call."""
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):  # not Linux: die_with_supervisor cannot work either
-        return None
-
-    def arm() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != supervisor_pid:
-            os._exit(1)
-
-    return arm
-
-
-def die_with_supervisor(supervisor_pid: int) -> None:
-    """Have the kernel SIGKILL this process when the supervisor dies (Linux), even by SIGKILL."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != supervisor_pid:  # it died before the request above was in place
-        os._exit(1)
-
-
 class Supervisor:
     def __init__(self, argv: list[str], processes: int, host: str, port: int, log, stall_timeout: float = 10.0,
                  start_timeout: float = 60.0):
@@ -117,7 +90,7 @@ class Supervisor:
         self.backoff = [RESTART_MIN] * processes
         self.due: list[float | None] = [None] * processes  # when a dead process is replaced
         self.stop_signal: int | None = None
-        self._arm = death_signal_in_child(os.getpid())  # the supervisor has no threads: preexec_fn is safe
+        self._arm = arm_in_child(os.getpid())  # the supervisor has no threads: preexec_fn is safe
 
     def run(self) -> int:
         try:  # the port must be free (or shared only with SO_REUSEPORT sockets of ours) before any start

@@ -118,6 +118,16 @@ class Router:
         self.log_file.close()
 
 
+def started_child(r: Router) -> int:
+    """The first router process, as soon as it has exec'd (its environment is the one the supervisor
+    gave it). Not before: stopped between fork and exec, a child holds up the supervisor's Popen,
+    which waits for the exec, and before exec its death signal may not be armed yet."""
+    first = wait_for(lambda: r.children()[:1], 10, "the supervisor to start its processes")[0]
+    wait_for(lambda: f"{ENV_INDEX}=".encode() in Path(f"/proc/{first}/environ").read_bytes(), 10,
+             "the first process to exec")
+    return first
+
+
 def process_gone(pid: int) -> bool:
     """Exited: no such process, or a zombie (it holds no port; with its parent gone, init reaps it)."""
     try:
@@ -210,8 +220,8 @@ def test_a_process_frozen_while_starting_is_killed_and_replaced(fakes, routers):
     from its start and replaces it after --process-start-timeout."""
     r = Router(fakes, "--process-start-timeout", "2", "--process-stall-timeout", "60", wait=False)
     routers.append(r)
-    first = wait_for(lambda: r.children()[:1], 10, "the supervisor to start its processes")[0]
-    os.kill(first, signal.SIGSTOP)  # within ms of its start: it is still importing
+    first = started_child(r)
+    os.kill(first, signal.SIGSTOP)  # within ms of its exec: it is still importing
     try:
         wait_for(lambda: first not in r.children() and len(r.children()) == 2, 15,
                  "the process frozen while starting to be replaced")
@@ -231,11 +241,7 @@ def test_a_process_frozen_while_starting_dies_with_a_killed_supervisor(fakes, ro
     (before it could arm it itself) still dies when the supervisor is SIGKILLed."""
     r = Router(fakes, wait=False)
     routers.append(r)
-    first = wait_for(lambda: r.children()[:1], 10, "the supervisor to start its processes")[0]
-    # frozen between fork and the arming nothing can save; after exec (its environment is the
-    # one the supervisor gave it) the signal is armed, and the child is still importing
-    wait_for(lambda: f"{ENV_INDEX}=".encode() in Path(f"/proc/{first}/environ").read_bytes(), 10,
-             "the first process to exec")
+    first = started_child(r)
     os.kill(first, signal.SIGSTOP)
     try:
         r.proc.kill()

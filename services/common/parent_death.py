@@ -9,7 +9,6 @@ between fork and exec (`arm_in_child`, Popen's preexec_fn) and nothing the child
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import signal
@@ -37,7 +36,6 @@ def arm_in_child(parent_pid: int):
 def die_with(parent_pid: int) -> None:
     """The same request, made by the child itself: the second line of defence, for a parent that
     could not arm it (arming twice is harmless)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:
-        os._exit(1)
+    arm = arm_in_child(parent_pid)
+    if arm is not None:
+        arm()

@@ -118,6 +118,17 @@ class Router:
         self.log_file.close()
 
 
+def assert_serving_again(r: Router, fakes: Fakes, logged: str) -> None:
+    """After a process was replaced: every process serves, the supervisor logged why, 16 requests
+    on connections of their own all succeed, and nothing is left in flight."""
+    wait_for(r.all_serving, 30, "every router process to serve again")
+    assert logged in r.log_path.read_text()
+    with ThreadPoolExecutor(4) as pool:
+        codes = list(pool.map(lambda _: post_new_connection(r.url), range(16)))
+    assert codes == [200] * 16
+    r.assert_settled(fakes)
+
+
 def started_child(r: Router) -> int:
     """The first router process, as soon as it has exec'd (its environment is the one the supervisor
     gave it). Not before: stopped between fork and exec, a child holds up the supervisor's Popen,
@@ -187,13 +198,8 @@ def test_a_dead_process_is_replaced_and_the_router_keeps_serving(fakes, routers)
     before = r.children()
     assert len(before) == 2
     os.kill(before[0], signal.SIGKILL)
-    wait_for(lambda: len(set(r.children()) - set(before)) == 1 and r.all_serving(), 30,
-             "the dead process to be replaced")
-    with ThreadPoolExecutor(4) as pool:
-        codes = list(pool.map(lambda _: post_new_connection(r.url), range(16)))
-    assert codes == [200] * 16
-    assert "router process died; replacing it" in r.log_path.read_text()
-    r.assert_settled(fakes)
+    wait_for(lambda: len(set(r.children()) - set(before)) == 1, 30, "the dead process to be replaced")
+    assert_serving_again(r, fakes, "router process died; replacing it")
 
 
 def test_a_frozen_process_is_killed_and_replaced(fakes, routers):
@@ -207,12 +213,7 @@ def test_a_frozen_process_is_killed_and_replaced(fakes, routers):
     wait_for(lambda: before[0] not in r.children() and len(r.children()) == 2, 15,
              "the frozen process to be replaced")
     assert time.monotonic() - t0 < 8
-    wait_for(r.all_serving, 30, "every router process to serve again")
-    with ThreadPoolExecutor(4) as pool:
-        codes = list(pool.map(lambda _: post_new_connection(r.url), range(16)))
-    assert codes == [200] * 16
-    assert "router process stopped beating; killing it" in r.log_path.read_text()
-    r.assert_settled(fakes)
+    assert_serving_again(r, fakes, "router process stopped beating; killing it")
 
 
 def test_a_process_frozen_while_starting_is_killed_and_replaced(fakes, routers):
@@ -225,12 +226,7 @@ def test_a_process_frozen_while_starting_is_killed_and_replaced(fakes, routers):
     try:
         wait_for(lambda: first not in r.children() and len(r.children()) == 2, 15,
                  "the process frozen while starting to be replaced")
-        wait_for(r.all_serving, 30, "every router process to serve")
-        assert "router process never began beating; killing it" in r.log_path.read_text()
-        with ThreadPoolExecutor(4) as pool:
-            codes = list(pool.map(lambda _: post_new_connection(r.url), range(8)))
-        assert codes == [200] * 8
-        r.assert_settled(fakes)
+        assert_serving_again(r, fakes, "router process never began beating; killing it")
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(first, signal.SIGKILL)  # whatever the outcome, no stopped process is left behind

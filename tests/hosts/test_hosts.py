@@ -25,7 +25,7 @@ import pytest
 from services.common.tokenizer import load_tokenizer
 from tests.hosts.launcher import ROOT, HostMesh
 from tests.hosts.netns import NetemMissing, Topology
-from tests.integration.mesh import in_background, wait_for
+from tests.integration.mesh import attempts_in_log, in_background, labelled_samples, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -344,3 +344,66 @@ def test_internal_token_required(net):
     assert res["real_decode"] == "OK" and res["real_prefill"] == "OK" and res["real_decode_tokens"] == 4, res
     RESULTS["internal_token"] = res
     m.assert_invariants()
+
+
+CANARY_INTERVAL, CANARY_TIMEOUT = 2.0, 12.0  # the timeout outlasts p2's hanging first forward
+
+
+def test_partial_partition_marks_only_its_pair_and_the_others_serve(net):
+    """Cut p1 <-> d1 only, while p1 <-> d2 and p2 <-> d1 stay up. A router with the canary on marks
+    exactly (p1, d1) while idle, within one canary interval + the canary's timeout; under load no
+    request fails and none is sent to the cut pair, while p1 and d1 serve through their other
+    peers; after the heal the next canary clears the pair."""
+    m, topo, w = net
+    p1, p2, d1, d2 = w["p1"], w["p2"], w["d1"], w["d2"]
+    rc = m.start_router("router", [p1, p2], [d1, d2], *ROUTER_FLAGS, "--canary-interval", str(CANARY_INTERVAL),
+                        "--canary-timeout", str(CANARY_TIMEOUT), "--pair-hold", "0", port=8002)
+
+    def marked() -> set[tuple[str, str]]:
+        text = rc.get("/metrics").text
+        return {(lb["prefill"], lb["decode"]) for lb, v in labelled_samples(text, "pdmesh:router_pair_marked") if v}
+
+    def passed(p, d) -> float:
+        text = rc.get("/metrics").text
+        return sum(v for lb, v in labelled_samples(text, "pdmesh:canary_requests_total")
+                   if (lb["prefill"], lb["decode"], lb["result"]) == (p.grpc_addr, d.grpc_addr, "pass"))
+
+    try:
+        wait_for(lambda: all(passed(p, d) >= 1 for p in (p1, p2) for d in (d1, d2)),
+                 4 * (CANARY_INTERVAL + CANARY_TIMEOUT), "a passing canary on every pair before the cut", poll=0.2)
+        cut = (p1.grpc_addr, d1.grpc_addr)
+        topo.links.partition("p1", "d1")
+        t0 = time.monotonic()
+        wait_for(lambda: marked() == {cut}, 2 * CANARY_INTERVAL + CANARY_TIMEOUT + 5, "exactly p1-d1 marked",
+                 poll=0.1)
+        t_mark = time.monotonic() - t0
+        assert marked() == {cut}
+        already = len(attempts_in_log(rc.log()))
+        results: list[tuple[int, float]] = []
+
+        def one(i: int) -> None:
+            t = time.monotonic()
+            code = complete(rc, f"partial partition {i}", max_tokens=8, timeout=60).status_code
+            results.append((code, time.monotonic() - t))
+
+        threads = [in_background(lambda i=i: [one(i * 6 + k) for k in range(6)])[0] for i in range(4)]
+        for t in threads:
+            t.join(120)
+        assert [c for c, _ in results] == [200] * 24
+        pairs = attempts_in_log(rc.log())[already:]
+        assert cut not in pairs and len(pairs) == 24, pairs
+        assert (p1.grpc_addr, d2.grpc_addr) in pairs and (p2.grpc_addr, d1.grpc_addr) in pairs
+        heal_passes = passed(p1, d1)
+        topo.links.heal()
+        t1 = time.monotonic()
+        wait_for(lambda: not marked() and passed(p1, d1) > heal_passes, CANARY_INTERVAL + CANARY_TIMEOUT + 5,
+                 "the healed pair cleared by its next canary", poll=0.1)
+        RESULTS["partial_partition"] = {
+            "mark_after_cut_s": round(t_mark, 2), "clear_after_heal_s": round(time.monotonic() - t1, 2),
+            "max_request_s_while_cut": round(max(s for _, s in results), 2),
+            "canary_interval_s": CANARY_INTERVAL, "canary_timeout_s": CANARY_TIMEOUT}
+        m.assert_invariants(timeout=30)
+    finally:
+        topo.links.heal()
+        rc.kill()
+        m.procs.remove(rc)

@@ -6,6 +6,7 @@ Every process gets free 127.0.0.1 ports, its own log file, and is killed by `Mes
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import signal
@@ -48,6 +49,27 @@ def scrape_metrics(base_url: str) -> dict[str, float]:
             key = s.name if not s.labels.get("queue") else f"{s.name}{{queue={s.labels['queue']}}}"
             out[key] = out.get(key, 0.0) + s.value
     return out
+
+
+def labelled_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """(labels, value) of every sample of `name` in a Prometheus text exposition."""
+    return [(s.labels, s.value) for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name == name]
+
+
+def attempts_in_log(log_text: str) -> list[tuple[str, str]]:
+    """(prefill, decode) of every attempt a router's JSON log records, in order."""
+    pairs = []
+    for line in log_text.splitlines():
+        if '"attempt"' not in line:
+            continue
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if event.get("event") == "attempt":
+            pairs.append((event["prefill"], event["decode"]))
+    return pairs
 
 
 def wait_for(cond: Callable[[], object], timeout: float, what: str, poll: float = 0.02):

@@ -15,13 +15,12 @@ Each scenario ends with the mesh's invariants: queue gauges 0, KV pools whole.
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from tests.integration.mesh import Mesh, scrape_metrics, wait_for
+from tests.integration.mesh import Mesh, attempts_in_log, labelled_samples, scrape_metrics, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -33,35 +32,13 @@ DECODE_FLAGS = ("--watchdog-interval", "0.5", "--heartbeat-interval", "0.5", "--
 
 def marked_pairs(router) -> set[tuple[str, str]]:
     text = httpx.get(router.http_url + "/metrics", timeout=5).text
-    out = set()
-    for line in text.splitlines():
-        if line.startswith("pdmesh:router_pair_marked{") and line.rstrip().endswith(" 1.0"):
-            labels = dict(part.split("=", 1) for part in line[line.index("{") + 1:line.index("}")].split(","))
-            out.add((labels["prefill"].strip('"'), labels["decode"].strip('"')))
-    return out
+    return {(lb["prefill"], lb["decode"]) for lb, v in labelled_samples(text, "pdmesh:router_pair_marked") if v}
 
 
 def canary_counts(router) -> dict[tuple[str, str, str], float]:
     text = httpx.get(router.http_url + "/metrics", timeout=5).text
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("pdmesh:canary_requests_total{"):
-            labels = dict(part.split("=", 1) for part in line[line.index("{") + 1:line.index("}")].split(","))
-            key = tuple(labels[k].strip('"') for k in ("prefill", "decode", "result"))
-            out[key] = float(line.rsplit(" ", 1)[1])
-    return out
-
-
-def attempts_in_log(router) -> list[tuple[str, str]]:
-    pairs = []
-    for line in router.log().splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if event.get("event") == "attempt":
-            pairs.append((event["prefill"], event["decode"]))
-    return pairs
+    return {(lb["prefill"], lb["decode"], lb["result"]): v
+            for lb, v in labelled_samples(text, "pdmesh:canary_requests_total")}
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +86,7 @@ def test_requests_avoid_the_marked_pair_and_both_workers_keep_serving(broken_pai
     m, (p_bad, p_ok), (d_bad, d_ok), r = broken_pair
     bad = (p_bad.grpc_addr, d_bad.grpc_addr)
     wait_for(lambda: bad in marked_pairs(r), CANARY_INTERVAL * 2 + CANARY_TIMEOUT + 10, "P0-D0 marked")
-    already = len(attempts_in_log(r))
+    already = len(attempts_in_log(r.log()))
 
     def one(i: int) -> int:
         return httpx.post(r.http_url + "/v1/completions", timeout=70, json={
@@ -118,7 +95,7 @@ def test_requests_avoid_the_marked_pair_and_both_workers_keep_serving(broken_pai
     with ThreadPoolExecutor(4) as pool:
         codes = list(pool.map(one, range(24)))
     assert codes == [200] * 24
-    pairs = attempts_in_log(r)[already:]
+    pairs = attempts_in_log(r.log())[already:]
     assert len(pairs) == 24 and bad not in pairs, pairs  # no attempt was sent to the marked pair
     assert (p_bad.grpc_addr, d_ok.grpc_addr) in pairs and (p_ok.grpc_addr, d_bad.grpc_addr) in pairs
     for w in (p_bad, d_bad):  # each still served through its other peer

@@ -318,4 +318,4 @@ class PrefillWorker:
             job.last_logits = logits  # later followers of its key copy its KV and sample from these
         job.first_token, job.first_logprob, job.first_top = first
         job.phase = Phase.INFLIGHT
-        self.sender.send(job.room, job.pages, job.first_token, job.first_logprob)
+        self.sender.send(job.room, job.pages, job.first_token, job.first_logprob, job.cached_tokens)

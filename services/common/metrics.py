@@ -90,7 +90,8 @@ class Metrics:
         # cached pages taken back for new requests
         self.prefix_cache_queries = counter("prefix_cache_queries_total", "prompt tokens looked up in the prefix cache")
         self.prefix_cache_hits = counter(
-            "prefix_cache_hits_total", "prompt tokens found in the prefix cache (their KV was not computed)"
+            "prefix_cache_hits_total",
+            "prompt tokens found in the prefix cache (prefill, colocated decode: not computed; decode: not received)",
         )
         self.prefix_cache_evictions = counter(
             "prefix_cache_evictions_total", "cached KV pages evicted (no holder) to make room for a request"

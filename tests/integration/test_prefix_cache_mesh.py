@@ -1,5 +1,5 @@
 """The prefix cache through the real mesh (router, prefill, decode; real gRPC, HTTP and NIXL):
-a conversation whose rounds grow, greedy and seeded, streamed and not, must produce exactly
+a 16-round conversation growing to ~2,000 tokens, greedy and seeded, streamed and not, must produce exactly
 what single-process generation does, with the cache warm, after POST /reset_prefix_cache, and
 on workers started with --prefix-cache off; from round 2 on prefill computes only what it has
 not cached, the KV moved is only the pages decode lacks, and usage reports the cached tokens."""
@@ -22,7 +22,7 @@ from tests.integration.mesh import Mesh, wait_for
 pytestmark = pytest.mark.integration
 
 P = 16  # the workers' default page size
-ROUNDS = 5
+ROUNDS = 16  # growing to ~2,000 tokens
 TOK = load_tokenizer(None)  # the default model's: models/pdmesh-tiny
 
 
@@ -91,9 +91,11 @@ def test_a_growing_conversation_reuses_its_prefix_and_matches_single_process(mes
             # decode kept the previous prompt and reply: only the pages after them move (+ aux row)
             held = (prev_len + 8 - 1) // P
             assert moved <= (-(-len(history) // P) - held) * page_nbytes + 64
+            new = len(history) - prev_len - 8  # beyond the previous prompt and reply
+            assert moved <= (-(-new // P) + 1) * page_nbytes + 64  # the new tokens' pages + 1
         else:
             assert computed == len(history) and usage["prompt_tokens_details"]["cached_tokens"] == 0
-        history = history + ref + [rng.randrange(3, 256) for _ in range(40)]
+        history = history + ref + [rng.randrange(3, 256) for _ in range(120)]
     md = d.metrics()
     assert md["pdmesh:prefix_cache_hits_total"] > 0 and md["pdmesh:prefix_cache_pages"] > 0
     assert p.metrics()["pdmesh:cache_hit_rate"] > 0

@@ -74,31 +74,38 @@ class PrefixCache:
         and its KV goes into a page of the request's own, never into a shared one."""
         return max(0, num_tokens - 1) // self.page_size
 
-    def match(self, token_ids: Sequence[int], max_pages: int | None = None) -> list[int]:
+    def keys(self, token_ids: Sequence[int]) -> list[bytes]:
+        """Every full page's key: computed once per sequence, passed to match/insert."""
+        return page_keys(token_ids, self.page_size)
+
+    def match(self, token_ids: Sequence[int], max_pages: int | None = None, keys: list[bytes] | None = None) -> list[int]:
         """The cached pages of the longest cached prefix of token_ids (full pages only), at most
         max_pages (default: max_hit_pages). Takes no reference: `acquire` does."""
         limit = self.max_hit_pages(len(token_ids)) if max_pages is None else max_pages
         pages = []
-        for key in page_keys(token_ids, self.page_size, limit):
+        for key in (page_keys(token_ids, self.page_size, limit) if keys is None else keys[:limit]):
             page = self._page_of.get(key)
             if page is None:
                 break
             pages.append(page)
         return pages
 
-    def acquire(self, token_ids: Sequence[int], owner: Hashable, max_pages: int | None = None) -> list[int]:
+    def acquire(self, token_ids: Sequence[int], owner: Hashable, max_pages: int | None = None,
+                keys: list[bytes] | None = None) -> list[int]:
         """match + the owner becomes a holder of the hit pages (so nothing evicts them)."""
-        pages = self.match(token_ids, max_pages)
+        pages = self.match(token_ids, max_pages, keys)
         self.allocator.share(pages, owner)
         return pages
 
-    def insert(self, token_ids: Sequence[int], pages: Sequence[int], num_full_pages: int) -> int:
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int], num_full_pages: int,
+               keys: list[bytes] | None = None) -> int:
         """The first num_full_pages pages of a sequence now hold complete KV for token_ids:
         cache those not cached yet. A key already cached under another page (the same prefix
         computed twice at once) keeps that page; this one stays the sequence's own. Returns
-        the pages newly cached."""
+        the pages newly cached. `keys`: the sequence's keys (`keys()`), if already computed."""
         added = 0
-        keys = page_keys(token_ids, self.page_size, min(num_full_pages, len(pages)))
+        n = min(num_full_pages, len(pages))
+        keys = page_keys(token_ids, self.page_size, n) if keys is None else keys[:n]
         for key, page in zip(keys, pages, strict=False):
             if key in self._page_of:
                 continue  # cached already: this very page (a hit), or another with the same KV

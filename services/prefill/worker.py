@@ -227,7 +227,10 @@ class PrefillWorker:
         """The job's pages: its prompt's longest cached prefix (shared), then fresh ones for the
         rest. Raises OutOfPages with nothing taken. A follower copying its leader skips the cache."""
         pool, cache = self.engine.pool, self.engine.prefix_cache
-        hit = cache.acquire(job.token_ids, job.room) if cache is not None and use_cache else []
+        hit = []
+        if cache is not None and use_cache:
+            job.cache_keys = cache.keys(job.token_ids)  # once: every chunk's insert reuses them
+            hit = cache.acquire(job.token_ids, job.room, keys=job.cache_keys)
         try:
             fresh = pool.allocator.alloc(pool.pages_for_tokens(len(job.token_ids)) - len(hit), owner=job.room)
         except OutOfPages:
@@ -310,7 +313,8 @@ class PrefillWorker:
             self.metrics.inc(self.metrics.prompt_tokens, chunk)
             job.prefilled += chunk
             if self.engine.prefix_cache is not None:
-                self.engine.prefix_cache.insert(job.token_ids, job.pages, job.prefilled // self.engine.pool.page_size)
+                self.engine.prefix_cache.insert(job.token_ids, job.pages, job.prefilled // self.engine.pool.page_size,
+                                                job.cache_keys)
         if first is None:
             job.phase = Phase.QUEUED
             return

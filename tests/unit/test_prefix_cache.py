@@ -52,6 +52,7 @@ def test_a_hit_always_leaves_a_token_to_compute(cache):
     assert cache.match(tokens) == pages[:1]  # the last page is recomputed into a page of its own
     assert cache.match([*tokens, 8]) == pages
     assert cache.match([]) == [] and cache.match([0]) == []
+    assert cache.match([*tokens, 8], keys=cache.keys([*tokens, 8])) == pages  # precomputed keys: same hit
     cache.allocator.free(pages, "a")
 
 

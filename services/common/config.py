@@ -53,6 +53,9 @@ WORKER_FLAGS = [
     Flag("page-size", int, 16, "tokens per KV page"),
     Flag("num-pages", int, 4096, "KV pages in this worker's pool (allocated once at start)"),
     Flag("watchdog-interval", float, 1.0, "seconds between watchdog sweeps (runs even when idle)"),
+    Flag("prefix-cache", bool, True,
+         "on: full KV pages stay cached after their request and a later prompt with the same prefix "
+         "reuses them (evicted, least recently used first, when the pool needs pages); off: no reuse"),
     Flag("forward-timeout", float, 300.0,
          "seconds one forward (one chunk, not a whole prompt) may run before its rooms fail and the worker turns NOT_SERVING"),
     Flag("faults", str, "", "fault injection spec, e.g. 'delay_forward=5,stall_transfer' (off by default)"),

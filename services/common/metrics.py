@@ -25,6 +25,8 @@ PREFILL_GAUGES = (
     "num_queue_reqs",
     "num_running_reqs",
     "token_usage",
+    "cache_hit_rate",
+    "prefix_cache_pages",
 )
 DECODE_GAUGES = (
     "num_decode_prealloc_queue_reqs",
@@ -32,6 +34,8 @@ DECODE_GAUGES = (
     "num_running_reqs",
     "num_retracted_reqs",
     "token_usage",
+    "cache_hit_rate",
+    "prefix_cache_pages",
 )
 ROUTER_GAUGES = ("num_running_reqs",)
 
@@ -83,6 +87,19 @@ class Metrics:
         )
         if engine_type == "prefill":
             self.shared_prompt_tokens.labels(**self.labels)  # at 0 from the start
+        # the prefix cache, with vLLM's meaning: tokens looked up, tokens found (not computed),
+        # cached pages taken back for new requests
+        self.prefix_cache_queries = counter("prefix_cache_queries_total", "prompt tokens looked up in the prefix cache")
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits_total",
+            "prompt tokens found in the prefix cache (prefill, colocated decode: not computed; decode: not received)",
+        )
+        self.prefix_cache_evictions = counter(
+            "prefix_cache_evictions_total", "cached KV pages evicted (no holder) to make room for a request"
+        )
+        if engine_type in ("prefill", "decode"):
+            for m in (self.prefix_cache_queries, self.prefix_cache_hits, self.prefix_cache_evictions):
+                m.labels(**self.labels)  # at 0 from the start
         self.generation_tokens = counter("generation_tokens_total", "tokens generated")
         self.router_requests = counter("router_requests_total", "router requests by HTTP status", ("status",))
         self.router_migrations = counter(
@@ -178,4 +195,6 @@ _GAUGE_HELP = {
     "num_decode_prealloc_queue_reqs": "decode requests waiting for KV pages",
     "num_decode_transfer_queue_reqs": "decode requests waiting for their KV to arrive",
     "num_retracted_reqs": "decode requests that gave up their KV pages (pool full) and wait to recompute",
+    "cache_hit_rate": "prefix cache hits / queries, in prompt tokens, since the worker started (0 before any query)",
+    "prefix_cache_pages": "KV pages the prefix cache holds (with or without a request using them)",
 }

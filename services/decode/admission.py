@@ -9,6 +9,12 @@ colocated job (no prefill) goes to PREFILLING instead: the scheduler computes it
 Late writes: once an Attach may have reached prefill, prefill can WRITE into those pages until it
 lets go of the room, so the pages of a room that ends before its KV arrived are quarantined —
 held back from the pool — until prefill confirms it let go or is gone (services/decode/quarantine.py).
+
+Prefix cache (--prefix-cache): a room first takes the longest cached prefix of its prompt
+(pages shared with the cache and other rooms, full pages only, at least one prompt token left)
+and fresh pages for the rest. The Attach names only the fresh pages (`skip_pages` says how many
+prompt pages decode holds), so prefill sends only those and no WRITE can reach a shared page;
+quarantine therefore only ever holds fresh pages. A colocated room computes from the end of its hit.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from services.common.logging_setup import get_logger
 from services.decode.jobs import Job, Phase
 from services.decode.quarantine import Quarantine
 from services.engine.page_allocator import OutOfPages
+from services.engine.prefix_cache_metrics import count_lookup
 
 log = get_logger("decode.admission")
 
@@ -62,12 +69,12 @@ class Admission:
         if any(j.phase is Phase.RETRACTED for j in jobs):
             return  # retracted requests get freed pages first; their resume wakes us again
         for job in sorted((j for j in jobs if j.phase is Phase.PREALLOC), key=lambda j: j.seq):
-            # prompt KV plus room for the first decode step; more pages come on demand
             try:
-                job.pages = self.pool.allocator.alloc(self.pool.pages_for_tokens(len(job.token_ids) + 1), owner=job.room)
+                self._take_pages(job)
             except OutOfPages:
                 return  # FIFO: the head waits for pages (bounded by --prealloc-timeout)
             if job.colocated:
+                job.prefilled = job.usage_cached_tokens = job.cached_tokens
                 job.phase = Phase.PREFILLING
                 self.worker.scheduler.wake()
                 continue
@@ -75,10 +82,28 @@ class Admission:
             self.attaching.add(job)
             self.worker.spawn(self._attach(job))
 
-    async def _attach(self, job: Job) -> None:
-        prompt_pages = job.pages[: self.pool.pages_for_tokens(len(job.token_ids))]
+    def _take_pages(self, job: Job) -> None:
+        """Prompt KV plus room for the first decode step (more pages come on demand): first the
+        prompt's longest cached prefix (shared, read only), then fresh pages, into which alone
+        prefill writes. Raises OutOfPages with nothing taken."""
+        cache, alloc = self.worker.engine.prefix_cache, self.pool.allocator
+        hit = cache.acquire(job.token_ids, job.room) if cache is not None else []
         try:
-            ok = await self.coordinator.attach(job.room, job.prefill_addr, prompt_pages)
+            fresh = alloc.alloc(self.pool.pages_for_tokens(len(job.token_ids) + 1) - len(hit), owner=job.room)
+        except OutOfPages:
+            alloc.free(hit, owner=job.room)
+            raise
+        job.pages = hit + fresh
+        job.cached_tokens = len(hit) * self.pool.page_size
+        if cache is not None:
+            count_lookup(self.worker.metrics, cache, len(job.token_ids), job.cached_tokens)
+
+    async def _attach(self, job: Job) -> None:
+        skip = job.cached_tokens // self.pool.page_size
+        # only the fresh pages are named to prefill: a WRITE can never reach a shared page
+        prompt_pages = job.pages[skip : self.pool.pages_for_tokens(len(job.token_ids))]
+        try:
+            ok = await self.coordinator.attach(job.room, job.prefill_addr, prompt_pages, skip)
         finally:
             self.attaching.discard(job)
         if job.finished:  # failed (abort, watchdog) while the attach RPC was in flight

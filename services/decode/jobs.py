@@ -103,7 +103,13 @@ class Job:
     created_at: float = field(default_factory=time.monotonic)
     pages: list[int] | None = None
     output: list[int] = field(default_factory=list)
-    prefilled: int = 0  # prompt tokens whose KV a local prefill computed (colocated jobs)
+    prefilled: int = 0  # prompt tokens whose KV is in its pages by a local prefill (colocated jobs)
+    # prompt tokens whose KV its first pages share with the prefix cache: not sent by prefill,
+    # not computed by a local prefill
+    cached_tokens: int = 0
+    # prompt tokens whose KV nobody computed for it, as usage reports them: with a prefill
+    # worker, the prefix prefill found cached (the aux row carries it); colocated, cached_tokens
+    usage_cached_tokens: int = 0
     last_token_at: float | None = None
     canary: bool = False  # the router's canary: served as any job, left out of the request metrics
 
@@ -114,6 +120,12 @@ class Job:
     @property
     def colocated(self) -> bool:
         return not self.prefill_addr
+
+    @property
+    def kv_tokens(self) -> list[int]:
+        """The tokens whose KV its pages hold once it runs: prompt and every generated token but
+        the last (the next step feeds that one)."""
+        return self.token_ids + self.output[:-1]
 
     @property
     def context_len(self) -> int:

@@ -102,7 +102,7 @@ class DecodeScheduler:
         """Give the job's pages back; it leaves the batch and waits to recompute its KV."""
         with bound_room(job.room):
             log.warning("retracted: out of KV pages", pages=len(job.pages),
-                        context_tokens=job.context_len - 1, free_pages=self.pool.allocator.num_free)
+                        context_tokens=job.context_len - 1, free_pages=self.pool.allocator.num_available)
         self.worker.metrics.inc(self.worker.metrics.num_retractions)
         # its KV arrived long ago: prefill writes nothing more into these pages
         self.pool.allocator.free(job.pages, owner=job.room)
@@ -126,7 +126,7 @@ class DecodeScheduler:
                 self._fail_outgrown(job, job.context_len)
                 continue
             need = self.pool.pages_for_tokens(job.context_len)
-            if self.pool.allocator.num_free < need + headroom:
+            if self.pool.allocator.num_available < need + headroom:
                 break  # arrival order: a later job does not jump ahead of an earlier one
             job.pages = self.pool.allocator.alloc(need, owner=job.room)
             resumed.append(job)

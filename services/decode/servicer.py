@@ -83,6 +83,7 @@ class DecodeServicer(LaneServicerMixin, wpb_grpc.DecodeServicer):
                         finish_reason=item.finish_reason,
                         prompt_tokens=len(ids),
                         completion_tokens=item.completion_tokens,
+                        cached_tokens=job.usage_cached_tokens,
                         top_logprobs=top_logprobs_pb(item.top_logprobs),
                     )
                     if item.finish_reason:
@@ -103,3 +104,7 @@ class DecodeServicer(LaneServicerMixin, wpb_grpc.DecodeServicer):
     async def Load(self, request, context):
         queued, running = self.worker.load()
         return wpb.LoadReply(queued=queued, running=running, token_usage=self.worker.engine.pool.token_usage)
+
+    async def ResetPrefixCache(self, request, context):
+        dropped = self.worker.reset_prefix_cache()
+        return wpb.ResetPrefixCacheReply(enabled=self.worker.engine.prefix_cache is not None, pages_dropped=dropped)

@@ -28,6 +28,7 @@ from services.decode.admission import Admission
 from services.decode.jobs import PAGES_EXPOSED, DecodeFailed, Job, Phase, Tokens
 from services.decode.scheduler import DecodeScheduler
 from services.engine.local_generate import is_stop
+from services.engine.prefix_cache_metrics import watch_prefix_cache
 from services.engine.worker_engine import WorkerEngine
 from services.transfer.bootstrap import KVReceiveCoordinator
 from services.transfer.receiver import KVReceiver, ReceiverRoom
@@ -69,6 +70,7 @@ class DecodeWorker:
         m.gauge_from("num_running_reqs", lambda: self._count(Phase.RUNNING, Phase.PREFILLING))  # colocated prompts too
         m.gauge_from("num_retracted_reqs", lambda: self._count(Phase.RETRACTED))
         m.gauge_from("token_usage", lambda: engine.pool.token_usage)
+        watch_prefix_cache(m, engine.prefix_cache)
 
     # --- queries ---------------------------------------------------------------------------
     def _count(self, *phases: Phase) -> int:
@@ -157,14 +159,45 @@ class DecodeWorker:
         if self.jobs.pop(job.room, None) is None:
             return
         if job.pages is not None:
+            alloc = self.engine.pool.allocator
             if job.ended_in in PAGES_EXPOSED:
-                self.admission.quarantine(job.room, job.prefill_addr, job.pages)
+                # the shared prefix was never named to prefill; the pages after it were
+                skip = job.cached_tokens // self.engine.pool.page_size
+                alloc.free(job.pages[:skip], owner=job.room)
+                self.admission.quarantine(job.room, job.prefill_addr, job.pages[skip:])
             else:
-                self.engine.pool.allocator.free(job.pages, owner=job.room)
+                self._keep_cached(job)
+                alloc.free(job.pages, owner=job.room)
             job.pages = None
         self.receiver.release(job.room)
         self.engine.forget_room(job.room)
         self.pages_freed()
+
+    def _keep_cached(self, job: Job) -> None:
+        """Before a job lets go of its pages, the full ones whose KV is complete join the prefix
+        cache: a later round of the conversation finds them here. Complete: every token but the
+        last of a job that ran (its KV arrived, or was computed, and no WRITE can come any more),
+        or what a local prefill computed. A job that ended waiting for KV or retracted has none."""
+        cache = self.engine.prefix_cache
+        if cache is None:
+            return
+        if job.ended_in is Phase.RUNNING:
+            tokens = job.kv_tokens
+        elif job.ended_in is Phase.PREFILLING:
+            tokens = job.token_ids[: job.prefilled]
+        else:
+            return
+        cache.insert(tokens, job.pages, len(tokens) // self.engine.pool.page_size)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached page; pages running jobs hold stay theirs. Returns entries dropped."""
+        cache = self.engine.prefix_cache
+        if cache is None:
+            return 0
+        dropped = cache.clear()
+        log.info("prefix cache reset", pages=dropped)
+        self.pages_freed()
+        return dropped
 
     def pages_freed(self) -> None:
         self.admission.wake()
@@ -190,6 +223,7 @@ class DecodeWorker:
             self.fail(job, reason or "KV transfer failed", "UNAVAILABLE")
             return
         job.phase = Phase.RUNNING
+        job.usage_cached_tokens = row.cached_tokens
         self.emit(job, row.token, row.logprob)
         if not job.finished:
             self.scheduler.wake()

@@ -10,7 +10,8 @@ run instead (64 per run for a 32-layer model). The cost is that one layer's page
 in memory, which attention handles with a gather (advanced indexing) anyway.
 
 Next to the pages sits a small *aux* buffer: one int64 row per slot, carrying what travels with
-the KV (room id, first token id, its logprob, sender epoch), also sent over NIXL.
+the KV (room id, first token id, its logprob, sender epoch, prompt tokens prefill found in its
+prefix cache), also sent over NIXL.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from services.engine.model_config import ModelConfig
 from services.engine.page_allocator import PageAllocator
 
 # aux row layout (int64 words); the logprob is a float64 stored bit-for-bit.
-AUX_ROOM, AUX_TOKEN, AUX_LOGPROB_BITS, AUX_EPOCH = 0, 1, 2, 3
-AUX_WORDS = 4
+AUX_ROOM, AUX_TOKEN, AUX_LOGPROB_BITS, AUX_EPOCH, AUX_CACHED = 0, 1, 2, 3, 4
+AUX_WORDS = 5
 
 
 class KVPool:

@@ -28,6 +28,7 @@ from services.common.tokenizer import load_tokenizer
 from services.engine.grammar import GrammarError, GrammarRegistry, build_tokenizer
 from services.engine.kv_pool import KVPool
 from services.engine.loader import LoadedModel, load_model
+from services.engine.prefix_cache import PrefixCache
 from services.engine.runner import ModelRunner
 from services.engine.sampler import Sampler
 
@@ -43,12 +44,15 @@ class ForwardFault(RuntimeError):
 
 class WorkerEngine:
     def __init__(
-        self, model_path: str, device: str, dtype: str, num_pages: int, page_size: int, faults: Faults | None = None
+        self, model_path: str, device: str, dtype: str, num_pages: int, page_size: int, faults: Faults | None = None,
+        prefix_cache: bool = False,
     ):
         self.loaded: LoadedModel = load_model(model_path, device, None if dtype == "auto" else _DTYPES[dtype])
         self.config = self.loaded.config
         self.pool = KVPool(self.config, num_pages, page_size, self.loaded.device, self.loaded.dtype)
         self.runner = ModelRunner(self.loaded.model, self.pool)
+        # full pages found again by their token ids (--prefix-cache); None: every page is a room's own
+        self.prefix_cache = PrefixCache(self.pool.allocator, page_size) if prefix_cache else None
         self.grammars = _grammar_registry(model_path, self.loaded, self.config.vocab_size)
         self.sampler = Sampler(self.grammars)
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -112,13 +116,16 @@ class WorkerEngine:
     def pool_health(self) -> dict[str, Any]:
         alloc = self.pool.allocator
         try:
-            alloc.check_integrity()
+            (self.prefix_cache or alloc).check_integrity()
             ok = True
         except Exception:  # noqa: BLE001 - reported, not raised, so /health shows it
             ok = False
         return {
-            "kv_pages_free": alloc.num_free,
+            # pages no request holds: free, or cached with no holder (evicted when needed); equal
+            # to the total once the worker has drained
+            "kv_pages_free": alloc.num_available,
             "kv_pages_total": alloc.num_total,
+            "kv_pages_cached": alloc.num_cached,
             "kv_pool_ok": ok,
             "aux_slots_free": self.pool.aux_allocator.num_free,
             "aux_slots_total": self.pool.aux_allocator.num_total,

@@ -47,6 +47,7 @@ class PrefillResult:
     kv_bytes: int
     kv_transfer_seconds: float
     first_top: list[tuple[int, float]] | None = None  # top_logprobs alternatives of the first token
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not computed)
 
 
 @dataclass(eq=False)
@@ -59,7 +60,9 @@ class Job:
     phase: Phase = Phase.QUEUED
     created_at: float = field(default_factory=time.monotonic)
     pages: list[int] | None = None  # allocated at its first chunk, held until the WRITE is done
-    prefilled: int = 0  # prompt tokens whose KV is computed
+    prefilled: int = 0  # prompt tokens whose KV is in its pages (cached or computed)
+    cached_tokens: int = 0  # of those, found in the prefix cache: its first pages are shared
+    cache_keys: list[bytes] | None = None  # its full pages' prefix-cache keys, computed once
     first_token: int = -1
     first_logprob: float = 0.0
     first_top: list[tuple[int, float]] | None = None  # top_logprobs alternatives of the first token

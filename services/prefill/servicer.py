@@ -56,6 +56,7 @@ class PrefillServicer(LaneServicerMixin, wpb_grpc.PrefillServicer):
                 kv_bytes=result.kv_bytes,
                 kv_transfer_seconds=result.kv_transfer_seconds,
                 first_top_logprobs=top_logprobs_pb([result.first_top])[0] if result.first_top else None,
+                cached_tokens=result.cached_tokens,
             )
 
     async def Abort(self, request, context):
@@ -67,3 +68,7 @@ class PrefillServicer(LaneServicerMixin, wpb_grpc.PrefillServicer):
     async def Load(self, request, context):
         queued, running = self.worker.load()
         return wpb.LoadReply(queued=queued, running=running, token_usage=self.worker.engine.pool.token_usage)
+
+    async def ResetPrefixCache(self, request, context):
+        dropped = self.worker.reset_prefix_cache()
+        return wpb.ResetPrefixCacheReply(enabled=self.worker.engine.prefix_cache is not None, pages_dropped=dropped)

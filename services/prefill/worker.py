@@ -14,10 +14,17 @@ compute, and finishing them is what returns pages. Pages go to new jobs in arriv
 the oldest waiting job cannot get its pages, no later job gets any either, so a stream of small
 prompts cannot starve a large one: the pages it needs come back as the jobs ahead finish.
 
+Prefix cache (services/engine/prefix_cache.py, --prefix-cache): when a job takes its pages it
+first takes the longest cached prefix of its prompt (shared pages, at least one token left to
+compute), then fresh pages for the rest, and computes only that rest; after each chunk its full
+computed pages join the cache. Its pages are only ever written past the cached prefix, in pages
+of its own. The shared pages are let go with the job's others, when nothing reads them any more.
+
 n > 1 (services/prefill/sharing.py): jobs of one share key compute their common prompt once;
 followers wait for the leader's forward (holding no pages) or copy its KV pages into their own
 and sample their own first token from its logits. `pdmesh:prompt_tokens_total` counts the tokens
-a forward computed, `pdmesh:shared_prompt_tokens_total` those a follower copied.
+a forward computed, `pdmesh:shared_prompt_tokens_total` those a follower copied,
+`pdmesh:prefix_cache_hits_total` those found cached.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from services.common.logging_setup import bound_room, get_logger
 from services.common.metrics import Metrics
 from services.common.sampling_params import SamplingParams
 from services.engine.page_allocator import OutOfPages
+from services.engine.prefix_cache_metrics import count_lookup, watch_prefix_cache
 from services.engine.runner import PrefillItem
 from services.engine.sampler import TopLogprobs
 from services.engine.worker_engine import WorkerEngine
@@ -73,6 +81,7 @@ class PrefillWorker:
         m.gauge_from("num_running_reqs", lambda: self._count(Phase.FORWARD))
         m.gauge_from("num_prefill_inflight_queue_reqs", lambda: self._count(Phase.INFLIGHT))
         m.gauge_from("token_usage", lambda: engine.pool.token_usage)
+        watch_prefix_cache(m, engine.prefix_cache)
 
     # --- queries ---------------------------------------------------------------------------
     def _state(self, job: Job) -> RoomState | None:
@@ -183,7 +192,7 @@ class PrefillWorker:
             self.metrics.observe(self.metrics.kv_transfer_latency, seconds)
             self.metrics.observe(self.metrics.kv_transfer_bytes, r.nbytes)
             self.finish(job, PrefillResult(job.first_token, job.first_logprob, len(job.token_ids), r.nbytes, seconds,
-                                           job.first_top))
+                                           job.first_top, job.cached_tokens))
         else:
             self.finish(job, RoomFailed(reason or "failed"))
 
@@ -193,7 +202,6 @@ class PrefillWorker:
         copies (they compute nothing, so they take no budget); see the module docstring."""
         ready = [j for j in self.jobs.values() if j.phase is Phase.QUEUED and self._state(j) == RoomState.WAITING_FOR_INPUT]
         ready.sort(key=lambda j: (j.pages is None, j.seq))  # page holders first, then arrival order
-        pool = self.engine.pool
         budget, batch, copies, finals = self.chunk_budget, [], [], set()
         for job in ready:
             plan, leader = self.shares.plan(job, finals)
@@ -203,7 +211,7 @@ class PrefillWorker:
                 break
             if job.pages is None:
                 try:
-                    job.pages = pool.allocator.alloc(pool.pages_for_tokens(len(job.token_ids)), owner=job.room)
+                    self._take_pages(job, use_cache=plan is Plan.COMPUTE)
                 except OutOfPages:
                     break  # later arrivals wait too: the oldest gets the pages that come back
             if plan is Plan.COPY:
@@ -216,6 +224,35 @@ class PrefillWorker:
             batch.append((job, n))
             budget -= n
         return batch, copies
+
+    def _take_pages(self, job: Job, use_cache: bool) -> None:
+        """The job's pages: its prompt's longest cached prefix (shared), then fresh ones for the
+        rest. Raises OutOfPages with nothing taken. A follower copying its leader skips the cache."""
+        pool, cache = self.engine.pool, self.engine.prefix_cache
+        hit = []
+        if cache is not None and use_cache:
+            job.cache_keys = cache.keys(job.token_ids)  # once: every chunk's insert reuses them
+            hit = cache.acquire(job.token_ids, job.room, keys=job.cache_keys)
+        try:
+            fresh = pool.allocator.alloc(pool.pages_for_tokens(len(job.token_ids)) - len(hit), owner=job.room)
+        except OutOfPages:
+            pool.allocator.free(hit, owner=job.room)
+            raise
+        job.pages = hit + fresh
+        job.cached_tokens = job.prefilled = len(hit) * pool.page_size
+        if cache is not None and use_cache:
+            count_lookup(self.metrics, cache, len(job.token_ids), job.cached_tokens)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached page (reset_prefix_cache); pages running jobs hold stay theirs.
+        Returns the entries dropped."""
+        cache = self.engine.prefix_cache
+        if cache is None:
+            return 0
+        dropped = cache.clear()
+        log.info("prefix cache reset", pages=dropped)
+        self.kick()  # pages came free
+        return dropped
 
     async def schedule_loop(self) -> None:
         while True:
@@ -279,6 +316,9 @@ class PrefillWorker:
             if not job.canary:
                 self.metrics.inc(self.metrics.prompt_tokens, chunk)
             job.prefilled += chunk
+            if self.engine.prefix_cache is not None:
+                self.engine.prefix_cache.insert(job.token_ids, job.pages, job.prefilled // self.engine.pool.page_size,
+                                                job.cache_keys)
         if first is None:
             job.phase = Phase.QUEUED
             return
@@ -286,4 +326,4 @@ class PrefillWorker:
             job.last_logits = logits  # later followers of its key copy its KV and sample from these
         job.first_token, job.first_logprob, job.first_top = first
         job.phase = Phase.INFLIGHT
-        self.sender.send(job.room, job.pages, job.first_token, job.first_logprob)
+        self.sender.send(job.room, job.pages, job.first_token, job.first_logprob, job.cached_tokens)

@@ -38,6 +38,7 @@ from services.common.logging_setup import bound_room, get_logger
 from services.common.metrics import CONTENT_TYPE, Metrics
 from services.common.tokenizer import BUILTIN_NAMES, Tokenizer, load_tokenizer
 from services.router import errors, openapi
+from services.router.cache_reset import reset_prefix_caches
 from services.router.canary import Canary
 from services.router.errors import APIError
 from services.router.fanout import FanIn, PrefillShare, Single
@@ -623,6 +624,18 @@ def create_app(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> 
             return router.error_response(e)
         router.count(200)
         return JSONResponse(model_card())
+
+    @app.post("/reset_prefix_cache")
+    @app.post("/flush_cache")
+    async def reset_prefix_cache(request: Request) -> Response:
+        """Empty every worker's prefix cache (services/router/cache_reset.py)."""
+        try:
+            router.check_auth(request)
+            body = await reset_prefix_caches(router.pool)
+        except APIError as e:
+            return router.error_response(e)
+        router.count(200)
+        return JSONResponse(body)
 
     @app.get("/health")
     async def health() -> Response:

@@ -46,6 +46,7 @@ class Chunk:
     finish_reason: str  # "", "stop" or "length"
     # per token, the top_logprobs alternatives [(id, logprob)], most likely first; None: not asked for
     top: list[list[tuple[int, float]]] | None = None
+    cached_tokens: int = 0  # prompt tokens a worker found in its prefix cache (usage's cached_tokens)
 
 
 class WorkerFailure(Exception):
@@ -175,7 +176,8 @@ class Attempt:
                 if not msg.token_ids and not msg.finish_reason:
                     continue  # a keep-alive: decode holds the room and is alive
                 first, self.got_first = not self.got_first, True
-                chunk = Chunk(list(msg.token_ids), list(msg.logprobs), msg.finish_reason)
+                chunk = Chunk(list(msg.token_ids), list(msg.logprobs), msg.finish_reason,
+                              cached_tokens=msg.cached_tokens)
                 if self.top_logprobs:
                     chunk.top = [list(zip(t.token_ids, t.logprobs, strict=True)) for t in msg.top_logprobs]
                     if first and len(chunk.top) < len(chunk.token_ids):

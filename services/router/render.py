@@ -48,6 +48,9 @@ class ResponseState:
         self.created = int(time.time())
         self.out = OutputText(tokenizer, spec.prompt_ids, spec.stop, spec.skip_special_tokens)
         self.completion_tokens = 0
+        # the prompt's tokens the workers found cached, from the first chunk: a migrated request's
+        # later attempts send prompt + generated ids, which is not what the client's prompt was
+        self.cached_tokens: int | None = None
         self.finish_reason: str | None = None
         self.entries: list[Entry] = []  # for the body
         self._echo_pending = spec.echo
@@ -70,6 +73,8 @@ class ResponseState:
         texts: list[str] = []
         entries: list[Entry] = []
         n = len(chunk.token_ids)
+        if self.cached_tokens is None and n:
+            self.cached_tokens = min(chunk.cached_tokens, self.prompt_tokens)
         for i, token in enumerate(chunk.token_ids):
             self.completion_tokens += 1
             offset = len(self.spec.echo_text) + len(self.out.text)
@@ -109,7 +114,7 @@ class ResponseState:
         out = []
         for i, token in enumerate(chunk.token_ids):
             part = Chunk([token], chunk.logprobs[i : i + 1], chunk.finish_reason if i == n - 1 else "",
-                         chunk.top[i : i + 1] if chunk.top is not None else None)
+                         chunk.top[i : i + 1] if chunk.top is not None else None, chunk.cached_tokens)
             out.append((*self.feed(part), self.finish_reason))
             if self.finished:
                 break
@@ -120,12 +125,15 @@ class ResponseState:
         return (self.spec.echo_text if self.spec.echo else "") + self.out.text
 
     def usage(self, states: list[ResponseState] | None = None) -> dict[str, int]:
-        """Usage of the whole request: the prompt once, completion tokens of every choice."""
+        """Usage of the whole request: the prompt once, completion tokens of every choice; of the
+        prompt, the tokens a prefix cache served (the most any choice's worker found)."""
         completion = sum(s.completion_tokens for s in states or [self])
+        cached = max((s.cached_tokens or 0) for s in states or [self])
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
 
     # --- logprobs -----------------------------------------------------------------------------

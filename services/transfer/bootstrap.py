@@ -117,7 +117,8 @@ class KVBootstrapServicer(pb_grpc.KVBootstrapServicer):
         await self._check_version(request, context)
         try:
             self.sender.attach(
-                request.room, request.agent_name, request.epoch, list(request.dst_pages), request.dst_aux_slot
+                request.room, request.agent_name, request.epoch, list(request.dst_pages), request.dst_aux_slot,
+                request.skip_pages,
             )
         except BootstrapRejected as e:
             await self._rejected(context, e)
@@ -243,6 +244,7 @@ class BootstrapClient:
                 epoch=p.epoch,
                 dst_pages=p.dst_pages,
                 dst_aux_slot=p.dst_aux_slot,
+                skip_pages=p.skip_pages,
             ),
         )
         return reply.sender_agent_name, reply.sender_epoch
@@ -354,11 +356,12 @@ class KVReceiveCoordinator:
         """Register again on the next attach (prefill restarted or dropped this agent)."""
         self._registered.pop(address, None)
 
-    async def attach(self, room: int, address: str, dst_pages: list[int]) -> bool:
-        """Attach a room created with receiver.create_room(room, address). On any failure the
-        room is failed (reason in room.reason) and False returned."""
+    async def attach(self, room: int, address: str, dst_pages: list[int], skip_pages: int = 0) -> bool:
+        """Attach a room created with receiver.create_room(room, address); `skip_pages` leading
+        prompt pages are held here already and not sent. On any failure the room is failed
+        (reason in room.reason) and False returned."""
         try:
-            params = self.receiver.prepare_attach(room, dst_pages)
+            params = self.receiver.prepare_attach(room, dst_pages, skip_pages)
         except Exception as e:
             self.receiver.fail(room, f"cannot attach: {e}")
             return False

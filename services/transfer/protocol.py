@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 # Bump on any change to bootstrap.proto, to the notification format or to the aux row layout.
-PROTOCOL_VERSION = 2  # 2: AbortReply.quiesced, HeartbeatReply.forward_age_seconds
+# 2: AbortReply.quiesced, HeartbeatReply.forward_age_seconds; 3: AttachRequest.skip_pages, aux AUX_CACHED
+PROTOCOL_VERSION = 3
 
 # aux row words (int64), mirrored from services/engine/kv_pool.py (kept equal by a unit test).
-AUX_ROOM, AUX_TOKEN, AUX_LOGPROB_BITS, AUX_EPOCH = 0, 1, 2, 3
-AUX_WORDS = 4
+AUX_ROOM, AUX_TOKEN, AUX_LOGPROB_BITS, AUX_EPOCH, AUX_CACHED = 0, 1, 2, 3, 4
+AUX_WORDS = 5
 
 _NOTIF_PREFIX = b"pdmesh-kv"
 
@@ -177,6 +178,7 @@ class AuxRow:
     token: int
     logprob: float
     epoch: int  # the sender's epoch
+    cached_tokens: int = 0  # prompt tokens the sender found in its prefix cache (usage reports them)
 
     def words(self) -> list[int]:
         w = [0] * AUX_WORDS
@@ -184,6 +186,7 @@ class AuxRow:
         w[AUX_TOKEN] = self.token
         w[AUX_LOGPROB_BITS] = float_to_bits(self.logprob)
         w[AUX_EPOCH] = self.epoch
+        w[AUX_CACHED] = self.cached_tokens
         return w
 
     @classmethod
@@ -193,6 +196,7 @@ class AuxRow:
             token=w[AUX_TOKEN],
             logprob=bits_to_float(w[AUX_LOGPROB_BITS]),
             epoch=w[AUX_EPOCH],
+            cached_tokens=w[AUX_CACHED],
         )
 
 

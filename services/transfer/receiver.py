@@ -38,6 +38,7 @@ class AttachParams:
     epoch: int
     dst_pages: list[int]
     dst_aux_slot: int
+    skip_pages: int = 0  # leading prompt pages decode holds already: prefill sends the rest
 
 
 @dataclass(eq=False)
@@ -88,7 +89,7 @@ class KVReceiver:
         """Raises DuplicateRoom for a live or finished room id."""
         return self.rooms.add(ReceiverRoom(room, self.clock(), peer=peer))
 
-    def prepare_attach(self, room: int, dst_pages: list[int]) -> AttachParams:
+    def prepare_attach(self, room: int, dst_pages: list[int], skip_pages: int = 0) -> AttachParams:
         """Record the destination pages (allocated by the worker) and take an aux slot."""
         r = self.rooms.get(room)
         if r is None or r.state != RoomState.BOOTSTRAPPING:
@@ -100,7 +101,7 @@ class KVReceiver:
         r.dst_pages = list(dst_pages)
         r.early = []
         self.wakeup()  # poll notifications from now on (one may beat the attach reply)
-        return AttachParams(room, self.agent_name, self.epoch, list(dst_pages), r.aux_slot)
+        return AttachParams(room, self.agent_name, self.epoch, list(dst_pages), r.aux_slot, skip_pages)
 
     def mark_attached(self, room: int, sender_agent: str, sender_epoch: int) -> bool:
         """The Attach RPC succeeded -> WaitingForInput. False if the room is gone or terminal."""

@@ -79,6 +79,7 @@ class AttachInfo:
     dst_pages: tuple[int, ...]
     dst_aux_slot: int
     at: float
+    skip_pages: int = 0  # leading source pages decode holds already: not sent
 
 
 @dataclass(eq=False)
@@ -254,8 +255,9 @@ class KVSender:
             self._apply_attach(r, a)
         return r
 
-    def attach(self, room: int, agent_name: str, epoch: int, dst_pages: list[int], dst_aux_slot: int) -> None:
-        """decode's Attach. Raises BootstrapRejected."""
+    def attach(self, room: int, agent_name: str, epoch: int, dst_pages: list[int], dst_aux_slot: int,
+               skip_pages: int = 0) -> None:
+        """decode's Attach; decode holds the first `skip_pages` pages already. Raises BootstrapRejected."""
         if self.refuse_attach:
             raise _reject("fault", "UNAVAILABLE", "fault injection: fail_attach")
         peer = self._peers.get(agent_name)
@@ -276,7 +278,9 @@ class KVSender:
             )
         if not 0 <= dst_aux_slot < peer.layout.num_aux_slots:
             raise _reject("bad-request", "INVALID_ARGUMENT", f"invalid aux slot {dst_aux_slot}")
-        info = AttachInfo(agent_name, epoch, tuple(dst_pages), dst_aux_slot, self.clock())
+        if not 0 <= skip_pages <= peer.layout.num_pages:
+            raise _reject("bad-request", "INVALID_ARGUMENT", f"invalid skip_pages {skip_pages}")
+        info = AttachInfo(agent_name, epoch, tuple(dst_pages), dst_aux_slot, self.clock(), skip_pages)
         r = self.rooms.get(room)
         if r is None:
             outcome = self.rooms.outcome(room)
@@ -300,8 +304,9 @@ class KVSender:
         if self.on_attached is not None:
             self.on_attached(r)  # the worker's scheduler: the room may now be prefilled
 
-    def send(self, room: int, src_pages: list[int], first_token: int, logprob: float) -> bool:
-        """Forward done: post the WRITE of src_pages (in token order) and the aux row.
+    def send(self, room: int, src_pages: list[int], first_token: int, logprob: float, cached_tokens: int = 0) -> bool:
+        """Forward done: post the WRITE of src_pages (in token order) and the aux row; the
+        first pages decode said it holds (attach's skip_pages) are left out.
 
         False (nothing done) if the room is unknown or already terminal (a late event).
         Raises ValueError if the room is not attached yet (the scheduler must not run it)."""
@@ -318,6 +323,10 @@ class KVSender:
         if peer is None or peer.epoch != a.epoch:
             self._fail(r, f"decode agent {a.agent_name} is gone", tell_peer=False)
             return True
+        if a.skip_pages >= len(src_pages):
+            self._fail(r, f"decode holds {a.skip_pages} pages of a {len(src_pages)}-page prompt: nothing left to send")
+            return True
+        src_pages = src_pages[a.skip_pages :]
         if len(src_pages) > len(a.dst_pages):
             self._fail(r, f"{len(src_pages)} KV pages but decode attached only {len(a.dst_pages)}")
             return True
@@ -327,7 +336,7 @@ class KVSender:
             self._fail(r, f"no aux staging slot: {e}")
             return True
         r.aux_slot = slot
-        words = AuxRow(room, first_token, logprob, self.epoch).words()
+        words = AuxRow(room, first_token, logprob, self.epoch, cached_tokens).words()
         for i in range(AUX_WORDS):
             self.pool.aux[slot, i] = words[i]
         lay = self.layout

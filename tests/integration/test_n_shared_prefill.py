@@ -35,7 +35,10 @@ def mesh(tmp_path_factory):
     try:
         model = ("--model", MODEL)
         ps = [m.start_prefill(*model, wait=False) for _ in range(2)]
-        slow = m.start_prefill(*model, "--faults", "delay_forward=1", "--chunked-prefill-size", "32", wait=False)
+        # no prefix cache on the slow one: its tests count what sharing alone computes, and each
+        # scenario sends the same prompt (a warm cache would serve most of it)
+        slow = m.start_prefill(*model, "--faults", "delay_forward=1", "--chunked-prefill-size", "32",
+                               "--prefix-cache", "off", wait=False)
         ds = [m.start_decode(*model, wait=False) for _ in range(2)]
         for w in (*ps, slow, *ds):
             m.wait_healthy(w)

@@ -106,7 +106,7 @@ class FakeSender:
     def free_when_quiesced(self, room, free):
         free()
 
-    def send(self, room, pages, token, logprob):
+    def send(self, room, pages, token, logprob, cached_tokens=0):
         self.rooms[room].state = RoomState.TRANSFERRING
         self.sent[room] = (list(pages), token)
 

@@ -63,7 +63,7 @@ def test_streamed_request_migrates_when_its_decode_fails(make):
     assert text == expected(c, 12)
     assert events[-2]["choices"][0]["finish_reason"] == "length"
     assert events[-1]["usage"] == {"prompt_tokens": PROMPT_LEN, "completion_tokens": 12,
-                                   "total_tokens": PROMPT_LEN + 12}
+                                   "total_tokens": PROMPT_LEN + 12, "prompt_tokens_details": {"cached_tokens": 0}}
     lps = [lp for e in events if e.get("choices") and e["choices"][0]["logprobs"]
            for lp in e["choices"][0]["logprobs"]["token_logprobs"]]
     assert len(lps) == 12  # logprobs continue across the move

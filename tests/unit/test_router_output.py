@@ -106,7 +106,8 @@ def test_response_state_counts_and_hides_the_stop_token():
     assert text == "hi" and len(entries) == 2
     text, entries = state.feed(Chunk([BUILTIN_EOS_ID], [-0.3], "stop"))
     assert text == "" and state.finish_reason == "stop"
-    assert state.usage() == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert state.usage() == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     body = state.body()
     assert body["choices"][0]["text"] == "hi"
     lp = body["choices"][0]["logprobs"]

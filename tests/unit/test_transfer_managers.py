@@ -7,6 +7,7 @@ import pytest
 
 from services.engine.page_allocator import PageAllocator
 from services.transfer.protocol import (
+    AUX_WORDS,
     AbortNotification,
     AuxRow,
     KVNotification,
@@ -23,10 +24,10 @@ PAGE = 64
 
 
 class Aux:
-    """Stands in for the int64 [slots, 4] tensor (item get/set and row.tolist())."""
+    """Stands in for the int64 [slots, AUX_WORDS] tensor (item get/set and row.tolist())."""
 
     def __init__(self, n):
-        self.rows = [[0, 0, 0, 0] for _ in range(n)]
+        self.rows = [[0] * AUX_WORDS for _ in range(n)]
 
     def __setitem__(self, key, v):
         slot, i = key
@@ -159,6 +160,24 @@ def test_happy_path_sender():
     assert s.pool.aux_allocator.is_whole()
     s.release(7)
     assert s.heartbeat("D1", 10, [7]) == ([7], [7], True)  # success tombstone still "held"
+
+
+def test_pages_decode_holds_are_not_sent():
+    s, agent, _, done = make_sender()
+    register(s)
+    r = s.create_room(7)
+    s.attach(7, "D1", 10, [8, 9], 3, skip_pages=2)  # decode holds the prompt's first two pages
+    assert s.send(7, [0, 1, 2, 3], first_token=9, logprob=-0.5, cached_tokens=32)
+    x = agent.posted[0]
+    assert [(d.src_addr, d.dst_addr, d.nbytes) for d in x.descs][0] == (2 * PAGE, 1_000_000 + 8 * PAGE, 2 * PAGE)
+    assert r.nbytes == 2 * PAGE + 32
+    assert AuxRow.from_words(s.pool.aux[r.aux_slot].tolist()).cached_tokens == 32
+    r2 = s.create_room(8)
+    s.attach(8, "D1", 10, [10], 4, skip_pages=3)
+    s.send(8, [0, 1, 2], first_token=9, logprob=-0.5)  # decode claims every page: refused
+    assert r2.state == S.FAILED and "nothing left to send" in r2.reason
+    with pytest.raises(BootstrapRejected, match="skip_pages"):
+        s.attach(9, "D1", 10, [1], 0, skip_pages=101)
 
 
 def test_attach_before_create_is_parked_then_claimed():

@@ -22,22 +22,23 @@ def test_logprob_bits_roundtrip(x):
 
 
 def test_aux_row_words_and_verification():
-    row = p.AuxRow(room=42, token=7, logprob=-0.25, epoch=99)
+    row = p.AuxRow(room=42, token=7, logprob=-0.25, epoch=99, cached_tokens=48)
     assert p.AuxRow.from_words(row.words()) == row
     assert p.verify_aux(row, 42, 99) is None
     assert "room 42, expected 43" in p.verify_aux(row, 43, 99)
     assert "epoch 99" in p.verify_aux(row, 42, 98)
-    assert p.verify_aux(p.AuxRow.from_words([0, 0, 0, 0]), 42, 99) is not None  # a cleared slot never passes
+    assert p.verify_aux(p.AuxRow.from_words([0] * p.AUX_WORDS), 42, 99) is not None  # a cleared slot never passes
 
 
 def test_aux_layout_matches_kv_pool():
     from services.engine import kv_pool
 
-    assert (p.AUX_ROOM, p.AUX_TOKEN, p.AUX_LOGPROB_BITS, p.AUX_EPOCH, p.AUX_WORDS) == (
+    assert (p.AUX_ROOM, p.AUX_TOKEN, p.AUX_LOGPROB_BITS, p.AUX_EPOCH, p.AUX_CACHED, p.AUX_WORDS) == (
         kv_pool.AUX_ROOM,
         kv_pool.AUX_TOKEN,
         kv_pool.AUX_LOGPROB_BITS,
         kv_pool.AUX_EPOCH,
+        kv_pool.AUX_CACHED,
         kv_pool.AUX_WORDS,
     )
 

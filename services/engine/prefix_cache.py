@@ -1,0 +1,146 @@
+"""The prefix cache: full KV pages found again by the token ids that produced them (no torch).
+
+Each full page has a key that chains its page_size token ids to the key of the page before it
+(a hash chain, as vLLM's automatic prefix caching): key_i = H(key_{i-1} || tokens of page i).
+A key therefore names the whole prefix up to the end of its page, so equal keys mean equal KV
+(same model, same positions). Lookup walks the prompt's keys from the first page and stops at
+the first one not cached: the hit is always a prefix.
+
+Why a hash chain rather than a radix tree (SGLang): a page is the unit every other part of
+pdmesh moves and frees (allocation, NIXL descriptors, quarantine), and a chain key per page
+maps one to one onto it; there is no node to split when prompts diverge inside a page (the
+partial page is simply not shared), lookups are a dict probe per page, and the same key can be
+computed anywhere from token ids alone (decode, the router) without the tree. What it gives up
+(matching inside a page) is at most page_size - 1 tokens per request.
+
+The keys are BLAKE2b digests (16 bytes) of the previous key and the tokens' bytes, so two
+different prefixes never share a page in practice, whatever the tokens are.
+
+The allocator (services/engine/page_allocator.py) keeps each page's holders and the LRU order
+of idle cached pages; this module keeps the keys. They agree at all times (`check_integrity`):
+a page is cached iff it has a key here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Callable, Hashable, Sequence
+
+from services.engine.page_allocator import AllocatorError, PageAllocator
+
+ROOT = b""
+
+
+def page_keys(token_ids: Sequence[int], page_size: int, num_pages: int | None = None) -> list[bytes]:
+    """The chain keys of the first `num_pages` full pages of token_ids (default: all full pages)."""
+    full = len(token_ids) // page_size
+    n = full if num_pages is None else min(full, num_pages)
+    keys, parent = [], ROOT
+    for i in range(n):
+        chunk = array("I", token_ids[i * page_size : (i + 1) * page_size]).tobytes()
+        parent = hashlib.blake2b(parent + chunk, digest_size=16).digest()
+        keys.append(parent)
+    return keys
+
+
+class PrefixCache:
+    def __init__(self, allocator: PageAllocator, page_size: int):
+        self.allocator = allocator
+        self.page_size = page_size
+        self._page_of: dict[bytes, int] = {}
+        self._key_of: dict[int, bytes] = {}
+        self.num_evictions = 0
+        self.query_tokens = 0  # prompt tokens looked up (`record`), and of those found cached
+        self.hit_tokens = 0
+        self.on_evicted: Callable[[int], None] | None = None  # metrics: one call per evicted page
+        allocator.on_evict = self._forget
+
+    @property
+    def num_pages(self) -> int:
+        return len(self._key_of)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    def record(self, query_tokens: int, hit_tokens: int) -> None:
+        """One request's lookup took effect (its pages were allocated): count it."""
+        self.query_tokens += query_tokens
+        self.hit_tokens += hit_tokens
+
+    def max_hit_pages(self, num_tokens: int) -> int:
+        """A hit leaves at least one prompt token to compute: its logits give the first token,
+        and its KV goes into a page of the request's own, never into a shared one."""
+        return max(0, num_tokens - 1) // self.page_size
+
+    def keys(self, token_ids: Sequence[int]) -> list[bytes]:
+        """Every full page's key: computed once per sequence, passed to match/insert."""
+        return page_keys(token_ids, self.page_size)
+
+    def match(self, token_ids: Sequence[int], max_pages: int | None = None, keys: list[bytes] | None = None) -> list[int]:
+        """The cached pages of the longest cached prefix of token_ids (full pages only), at most
+        max_pages (default: max_hit_pages). Takes no reference: `acquire` does."""
+        limit = self.max_hit_pages(len(token_ids)) if max_pages is None else max_pages
+        pages = []
+        for key in (page_keys(token_ids, self.page_size, limit) if keys is None else keys[:limit]):
+            page = self._page_of.get(key)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def acquire(self, token_ids: Sequence[int], owner: Hashable, max_pages: int | None = None,
+                keys: list[bytes] | None = None) -> list[int]:
+        """match + the owner becomes a holder of the hit pages (so nothing evicts them)."""
+        pages = self.match(token_ids, max_pages, keys)
+        self.allocator.share(pages, owner)
+        return pages
+
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int], num_full_pages: int,
+               keys: list[bytes] | None = None) -> int:
+        """The first num_full_pages pages of a sequence now hold complete KV for token_ids:
+        cache those not cached yet. A key already cached under another page (the same prefix
+        computed twice at once) keeps that page; this one stays the sequence's own. Returns
+        the pages newly cached. `keys`: the sequence's keys (`keys()`), if already computed."""
+        added = 0
+        n = min(num_full_pages, len(pages))
+        keys = page_keys(token_ids, self.page_size, n) if keys is None else keys[:n]
+        for key, page in zip(keys, pages, strict=False):
+            if key in self._page_of:
+                continue  # cached already: this very page (a hit), or another with the same KV
+            if page in self._key_of:
+                raise AllocatorError(f"page {page} is cached under another prefix")
+            self.allocator.mark_cached(page)
+            self._page_of[key] = page
+            self._key_of[page] = key
+            added += 1
+        return added
+
+    def clear(self) -> int:
+        """Forget every entry (reset_prefix_cache): idle pages go free, held ones stay with
+        their holders as ordinary pages. Returns the number of entries dropped."""
+        n = len(self._key_of)
+        self.allocator.uncache_all()
+        self._page_of.clear()
+        self._key_of.clear()
+        return n
+
+    def check_integrity(self) -> None:
+        """The allocator's integrity, and: a page is cached there iff it has a key here, one key
+        per page and one page per key."""
+        self.allocator.check_integrity()
+        if len(self._page_of) != len(self._key_of):
+            raise AllocatorError("prefix cache keys and pages disagree")
+        if any(self._key_of.get(p) != k for k, p in self._page_of.items()):
+            raise AllocatorError("prefix cache key -> page and page -> key disagree")
+        if self.allocator.num_cached != len(self._key_of) or not all(map(self.allocator.is_cached, self._key_of)):
+            raise AllocatorError("prefix cache and allocator disagree on which pages are cached")
+
+    def _forget(self, page: int) -> None:
+        key = self._key_of.pop(page, None)
+        if key is not None:
+            del self._page_of[key]
+        self.num_evictions += 1
+        if self.on_evicted is not None:
+            self.on_evicted(page)

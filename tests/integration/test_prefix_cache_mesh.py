@@ -1,0 +1,141 @@
+"""The prefix cache through the real mesh (router, prefill, decode; real gRPC, HTTP and NIXL):
+a 16-round conversation growing to ~2,000 tokens, greedy and seeded, streamed and not, must produce exactly
+what single-process generation does, with the cache warm, after POST /reset_prefix_cache, and
+on workers started with --prefix-cache off; from round 2 on prefill computes only what it has
+not cached, the KV moved is only the pages decode lacks, and usage reports the cached tokens."""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+import pytest
+
+from services.common.sampling_params import SamplingParams
+from services.common.tokenizer import load_tokenizer
+from services.engine.kv_pool import KVPool
+from services.engine.loader import load_model
+from services.engine.local_generate import generate_full
+from tests.integration.http_client import post_json, stream_events
+from tests.integration.mesh import Mesh, wait_for
+
+pytestmark = pytest.mark.integration
+
+P = 16  # the workers' default page size
+ROUNDS = 16  # growing to ~2,000 tokens
+TOK = load_tokenizer(None)  # the default model's: models/pdmesh-tiny
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    m = Mesh(tmp_path_factory.mktemp("prefix"))
+    try:
+        (p,), (d,) = m.start_workers(1, 1)
+        r = m.start_router([p], [d], "--request-timeout", "60")
+        yield m, p, d, r
+    finally:
+        m.close()
+
+
+@pytest.fixture(scope="module")
+def reference_model():
+    return load_model(None)
+
+
+def reference(model, prompt, params):
+    pool = KVPool(model.config, num_pages=512, page_size=P)
+    return generate_full(model.model, pool, [prompt], [params])[0].token_ids
+
+
+def body(prompt, max_tokens, seed=None):
+    b = {"model": "pdmesh-tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+    return {**b, "temperature": 0.8, "seed": seed} if seed is not None else {**b, "temperature": 0}
+
+
+def generated_text(r, prompt, max_tokens, seed=None, stream=False):
+    if stream:
+        events = stream_events(r.http_url, "/v1/completions",
+                               {**body(prompt, max_tokens, seed), "stream_options": {"include_usage": True}})
+        return "".join(e["choices"][0]["text"] for e in events if e.get("choices")), events[-1]["usage"]
+    out = post_json(r.http_url, "/v1/completions", body(prompt, max_tokens, seed))
+    return out["choices"][0]["text"], out["usage"]
+
+
+def decode_text(ids):
+    return TOK.decode(ids)
+
+
+def test_a_growing_conversation_reuses_its_prefix_and_matches_single_process(mesh, reference_model):
+    m, p, d, r = mesh
+    rng = random.Random(11)
+    page_nbytes = KVPool(reference_model.config, 1, P).page_nbytes
+    history = [rng.randrange(3, 256) for _ in range(90)]
+    rounds = []
+    for i in range(ROUNDS):
+        seed = None if i % 2 == 0 else 100 + i
+        params = SamplingParams(temperature=0.8 if seed is not None else 0.0, seed=seed, max_tokens=8, ignore_eos=True)
+        ref = reference(reference_model, history, params)
+        before_p, before_d = p.metrics(), d.metrics()
+        text, usage = generated_text(r, history, 8, seed, stream=i % 2 == 1)
+        after_p = p.metrics()
+        assert text == decode_text(ref), f"round {i + 1}"
+        computed = after_p["pdmesh:prompt_tokens_total"] - before_p.get("pdmesh:prompt_tokens_total", 0)
+        moved = after_p["pdmesh:kv_transfer_bytes_sum"] - before_p.get("pdmesh:kv_transfer_bytes_sum", 0)
+        rounds.append((len(history), computed, moved, usage["prompt_tokens_details"]["cached_tokens"], before_d))
+        if i:
+            prev_len = rounds[i - 1][0]
+            # prefill computes what it does not hold: the previous prompt's partial page, the
+            # reply (decode made it; prefill never saw it) and the new tokens
+            assert computed <= len(history) - (prev_len // P) * P
+            assert usage["prompt_tokens_details"]["cached_tokens"] == (prev_len // P) * P
+            # decode kept the previous prompt and reply: only the pages after them move (+ aux row)
+            held = (prev_len + 8 - 1) // P
+            assert moved <= (-(-len(history) // P) - held) * page_nbytes + 64
+            new = len(history) - prev_len - 8  # beyond the previous prompt and reply
+            assert moved <= (-(-new // P) + 1) * page_nbytes + 64  # the new tokens' pages + 1
+        else:
+            assert computed == len(history) and usage["prompt_tokens_details"]["cached_tokens"] == 0
+        history = history + ref + [rng.randrange(3, 256) for _ in range(120)]
+    md = d.metrics()
+    assert md["pdmesh:prefix_cache_hits_total"] > 0 and md["pdmesh:prefix_cache_pages"] > 0
+    assert p.metrics()["pdmesh:cache_hit_rate"] > 0
+    m.assert_invariants()
+
+
+def test_reset_empties_every_cache_and_output_stays_the_same(mesh, reference_model):
+    m, p, d, r = mesh
+    prompt = [7 + (i * 13) % 240 for i in range(70)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    ref = decode_text(reference(reference_model, prompt, greedy))
+    assert generated_text(r, prompt, 6)[0] == ref
+    warm, usage = generated_text(r, prompt, 6)
+    assert warm == ref and usage["prompt_tokens_details"]["cached_tokens"] == 64
+    for path in ("/reset_prefix_cache", "/flush_cache"):
+        resp = httpx.post(r.http_url + path, timeout=10)
+        assert resp.status_code == 200, resp.text
+        assert {w["worker"].split(":")[0] for w in resp.json()["workers"]} == {"prefill", "decode"}
+        assert all(w["ok"] and w["prefix_cache"] for w in resp.json()["workers"])
+    wait_for(lambda: p.metrics()["pdmesh:prefix_cache_pages"] == 0 == d.metrics()["pdmesh:prefix_cache_pages"],
+             5, "both caches empty")
+    cold, usage = generated_text(r, prompt, 6, stream=True)
+    assert cold == ref and usage["prompt_tokens_details"]["cached_tokens"] == 0
+    m.assert_invariants()
+
+
+def test_with_the_cache_off_nothing_is_reused_and_output_is_the_same(tmp_path, reference_model):
+    m = Mesh(tmp_path)
+    try:
+        (p,), (d,) = m.start_workers(1, 1, ("--prefix-cache", "off"), ("--prefix-cache", "off"))
+        r = m.start_router([p], [d])
+        prompt = [5 + (i * 11) % 250 for i in range(50)]
+        seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True)
+        ref = decode_text(reference(reference_model, prompt, seeded))
+        for _ in range(2):
+            text, usage = generated_text(r, prompt, 6, seed=3)
+            assert text == ref and usage["prompt_tokens_details"]["cached_tokens"] == 0
+        assert p.metrics()["pdmesh:prompt_tokens_total"] == 2 * len(prompt)
+        resp = httpx.post(r.http_url + "/reset_prefix_cache", timeout=10)
+        assert resp.status_code == 200 and not any(w["prefix_cache"] for w in resp.json()["workers"])
+        m.assert_invariants()
+    finally:
+        m.close()

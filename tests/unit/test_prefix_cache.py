@@ -1,0 +1,114 @@
+"""The prefix cache's keys, hits, inserts, evictions and reset, in milliseconds (no torch)."""
+
+import pytest
+
+from services.engine.page_allocator import AllocatorError, OutOfPages, PageAllocator
+from services.engine.prefix_cache import PrefixCache, page_keys
+
+P = 4  # tokens per page
+
+
+@pytest.fixture
+def cache():
+    c = PrefixCache(PageAllocator(16), P)
+    yield c
+    c.check_integrity()  # after every test, whatever it did
+
+
+def run(cache: PrefixCache, owner, tokens: list[int]) -> tuple[list[int], int]:
+    """What a prefill job does: hit, allocate the rest, compute, cache its full pages."""
+    hit = cache.acquire(tokens, owner)
+    pages = hit + cache.allocator.alloc(-(-len(tokens) // P) - len(hit), owner)
+    cache.insert(tokens, pages, len(tokens) // P)
+    return pages, len(hit) * P
+
+
+def test_keys_chain_the_prefix():
+    a = page_keys(list(range(12)), P)
+    b = page_keys([*range(4), 99, *range(5, 12)], P)
+    assert len(a) == 3 and a[0] == b[0] and a[1] != b[1] and a[2] != b[2]  # a change reaches every later key
+    assert page_keys(list(range(11)), P) == a[:2]  # full pages only
+    assert page_keys(list(range(12)), P, 1) == a[:1]
+    assert page_keys([1, 2, 3, 4], P) != page_keys([4, 3, 2, 1], P)
+
+
+def test_second_request_hits_the_shared_prefix_only(cache):
+    first = list(range(10))  # pages: [0..3] [4..7] [8, 9]
+    pages_a, cached_a = run(cache, "a", first)
+    assert cached_a == 0 and cache.num_pages == 2
+    second = [*range(8), 50, 51, 52, 53, 54]
+    pages_b, cached_b = run(cache, "b", second)
+    assert cached_b == 8 and pages_b[:2] == pages_a[:2] and set(pages_b[2:]).isdisjoint(pages_a)
+    assert cache.allocator.holders_of(pages_a[0]) == {"a", "b"}
+    cache.allocator.free(pages_a, "a")
+    cache.allocator.free(pages_b, "b")
+    assert cache.allocator.is_whole() and cache.num_pages == 3
+
+
+def test_a_hit_always_leaves_a_token_to_compute(cache):
+    tokens = list(range(8))  # exactly two pages
+    pages, _ = run(cache, "a", tokens)
+    assert cache.num_pages == 2
+    assert cache.match(tokens) == pages[:1]  # the last page is recomputed into a page of its own
+    assert cache.match([*tokens, 8]) == pages
+    assert cache.match([]) == [] and cache.match([0]) == []
+    assert cache.match([*tokens, 8], keys=cache.keys([*tokens, 8])) == pages  # precomputed keys: same hit
+    cache.allocator.free(pages, "a")
+
+
+def test_a_prefix_computed_twice_at_once_keeps_one_page(cache):
+    tokens = list(range(9))
+    a = cache.allocator.alloc(3, "a")
+    b = cache.allocator.alloc(3, "b")
+    assert cache.insert(tokens, a, 2) == 2
+    assert cache.insert(tokens, b, 2) == 0  # b's pages stay its own
+    assert cache.match([*tokens, 9]) == a[:2]
+    cache.allocator.free(a, "a")
+    cache.allocator.free(b, "b")
+    assert cache.allocator.num_idle == 2 and cache.allocator.num_free == 14
+
+
+def test_eviction_forgets_the_key_and_the_chain_ends_there(cache):
+    evicted = []
+    cache.on_evicted = evicted.append
+    tokens = list(range(13))
+    pages, _ = run(cache, "a", tokens)
+    cache.allocator.free(pages, "a")
+    assert cache.allocator.num_idle == 3
+    other = cache.allocator.alloc(15, "x")  # 13 free + 2 evicted, tail first
+    assert evicted == [pages[2], pages[1]] and cache.num_evictions == 2
+    assert cache.match(tokens) == pages[:1]
+    cache.allocator.free(other, "x")
+
+
+def test_held_cached_pages_survive_pressure(cache):
+    tokens = list(range(8))
+    pages, _ = run(cache, "a", [*tokens, 8])
+    with pytest.raises(OutOfPages):
+        cache.allocator.alloc(14, "x")  # 13 free, a's 3 pages held
+    assert cache.num_pages == 2
+    cache.allocator.free(pages, "a")
+
+
+def test_clear_empties_the_cache_and_frees_idle_pages(cache):
+    pages_a, _ = run(cache, "a", list(range(9)))
+    pages_b, _ = run(cache, "b", list(range(100, 109)))
+    cache.allocator.free(pages_a, "a")
+    assert cache.clear() == 4
+    assert cache.num_pages == 0 and cache.match(list(range(9))) == []
+    assert cache.allocator.num_free == 13  # b still holds its 3 pages, now uncached
+    cache.allocator.free(pages_b, "b")
+    assert cache.allocator.num_free == 16
+    assert run(cache, "c", list(range(9)))[1] == 0  # after a reset nothing hits
+    cache.allocator.free(cache.allocator.pages_of("c"), "c")
+
+
+def test_integrity_catches_a_key_without_a_cached_page(cache):
+    pages = cache.allocator.alloc(1, "a")
+    cache._key_of[pages[0]] = b"k"
+    cache._page_of[b"k"] = pages[0]
+    with pytest.raises(AllocatorError, match="disagree"):
+        cache.check_integrity()
+    cache._key_of.clear()
+    cache._page_of.clear()
+    cache.allocator.free(pages, "a")

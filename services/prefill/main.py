@@ -39,6 +39,9 @@ async def serve(argv=None) -> None:
         stall_before_post=math.inf if faults.stall_transfer else 0.0,
         drop_notification=faults.drop_notification,
         refuse_attach=faults.fail_attach,
+        kv_checksum=args.kv_checksum,
+        misroute_kv=faults.misroute_kv,
+        fault_seed=faults.fault_seed,
     )
     metrics = Metrics("prefill", engine.model_name, worker_id)
     worker = PrefillWorker(engine, sender, metrics, faults, args.chunked_prefill_size)

@@ -56,6 +56,10 @@ WORKER_FLAGS = [
     Flag("prefix-cache", bool, True,
          "on: full KV pages stay cached after their request and a later prompt with the same prefix "
          "reuses them (evicted, least recently used first, when the pool needs pages); off: no reuse"),
+    Flag("kv-checksum", bool, True,
+         "on: prefill sends an XXH3-64 checksum of each room's KV pages and aux row, decode verifies it "
+         "before the room's first step and fails the room (DATA_LOSS, the router fails over) on a mismatch; "
+         "off: prefill sends none and decode checks none"),
     Flag("forward-timeout", float, 300.0,
          "seconds one forward (one chunk, not a whole prompt) may run before its rooms fail and the worker turns NOT_SERVING"),
     Flag("faults", str, "", "fault injection spec, e.g. 'delay_forward=5,stall_transfer' (off by default)"),

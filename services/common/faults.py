@@ -8,6 +8,10 @@ is logged loudly at start so nobody runs a faulty worker by accident.
   fail_attach             prefill refuses every Attach
   fail_attach_from=NAME   prefill refuses the Attach of each decode whose worker id contains NAME
                           (one broken prefill-decode pair while both workers stay healthy)
+  corrupt_kv[=P]          decode corrupts a room's first KV page after its WRITE landed (every
+                          value negated), for every room or each with probability P (fault_seed)
+  misroute_kv[=P]         prefill writes a room's first two KV pages into each other's destination
+                          pages (its own pages, wrong order), every room or with probability P
   sigstop_after_attach    decode freezes itself (SIGSTOP) right after its first attach
   delay_forward=SECONDS   every forward sleeps this long first (engine thread, either worker)
   fail_forward[=P]        every forward raises (bare), or each with probability P, drawn from
@@ -33,6 +37,8 @@ KNOWN: dict[str, tuple[type, object]] = {
     "drop_notification": (bool, True),
     "fail_attach": (bool, True),
     "fail_attach_from": (str, None),
+    "corrupt_kv": (float, 1.0),
+    "misroute_kv": (float, 1.0),
     "sigstop_after_attach": (bool, True),
     "delay_forward": (float, None),
     "fail_forward": (float, 1.0),
@@ -52,6 +58,8 @@ class Faults:
     drop_notification: bool = False
     fail_attach: bool = False
     fail_attach_from: str = ""
+    corrupt_kv: float = 0.0  # probability that a room's KV is corrupted after it landed (decode)
+    misroute_kv: float = 0.0  # probability that a room's pages land in the wrong order (prefill)
     sigstop_after_attach: bool = False
     delay_forward: float = 0.0
     fail_forward: float = 0.0  # probability that one forward raises
@@ -83,9 +91,10 @@ class Faults:
                 raise FaultSpecError(f"fault {name} needs a {kind.__name__}, e.g. {name}={_example(kind)}") from None
             if kind is str and not raw:
                 raise FaultSpecError(f"fault {name} needs a name")
-        p = values.get("fail_forward", 0.0)
-        if not 0.0 <= p <= 1.0:  # type: ignore[operator]
-            raise FaultSpecError(f"fail_forward is a probability in [0, 1], got {p}")
+        for name in ("fail_forward", "corrupt_kv", "misroute_kv"):
+            p = values.get(name, 0.0)
+            if not 0.0 <= p <= 1.0:  # type: ignore[operator]
+                raise FaultSpecError(f"{name} is a probability in [0, 1], got {p}")
         return cls(**values)  # type: ignore[arg-type]
 
     def active(self) -> dict[str, object]:

@@ -66,6 +66,11 @@ class Metrics:
         self.num_bootstrap_failed_reqs = counter(
             "num_bootstrap_failed_reqs_total", "requests failed before decode attached / before prefill accepted"
         )
+        self.kv_integrity_failures = counter(
+            "kv_integrity_failures_total",
+            "rooms whose KV failed the KV checksum on arrival (decode; the room fails, the router fails over)",
+            ("prefill", "decode"),
+        )
         self.num_transfer_failed_reqs = counter("num_transfer_failed_reqs_total", "requests whose KV transfer failed")
         self.num_retractions = counter(
             "num_retractions_total", "times decode retracted a running request for lack of KV pages"

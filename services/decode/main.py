@@ -31,7 +31,8 @@ async def serve(argv=None) -> None:
     engine = WorkerEngine(args.model, args.device, args.dtype, args.num_pages, args.page_size, faults,
                           prefix_cache=args.prefix_cache)
     agent = NixlAgent.for_pool("decode", engine.pool)
-    receiver = KVReceiver(agent, engine.pool)
+    receiver = KVReceiver(agent, engine.pool, verify_checksum=args.kv_checksum, corrupt_kv=faults.corrupt_kv,
+                          fault_seed=faults.fault_seed)
     coordinator = KVReceiveCoordinator(
         receiver,
         worker_id,

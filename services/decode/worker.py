@@ -211,16 +211,22 @@ class DecodeWorker:
 
     # --- KV arrival and tokens ---------------------------------------------------------------
     def _on_receiver_terminal(self, r: ReceiverRoom) -> None:
-        asyncio.get_running_loop().call_soon(self._on_kv, r.room, r.state, r.reason, r.result)
+        asyncio.get_running_loop().call_soon(self._on_kv, r.room, r.state, r.reason, r.result, r.code)
 
-    def _on_kv(self, room: int, state: RoomState, reason: str | None, row) -> None:
+    def _on_kv(self, room: int, state: RoomState, reason: str | None, row, code: str = "UNAVAILABLE") -> None:
         job = self.jobs.get(room)
         if job is None or job.finished:
             return
         if state != RoomState.SUCCESS:
             if job.pages is not None:
                 self.metrics.inc(self.metrics.num_transfer_failed_reqs)
-            self.fail(job, reason or "KV transfer failed", "UNAVAILABLE")
+            if code == "DATA_LOSS":  # the KV checksum failed: wrong KV never reaches a step
+                self.metrics.inc(self.metrics.kv_integrity_failures, prefill=job.prefill_addr,
+                                 decode=self.metrics.labels["worker"])
+                with bound_room(room):
+                    log.error("KV checksum failed; the room fails before its first step", reason=reason,
+                              prefill=job.prefill_addr, pages=job.pages)
+            self.fail(job, reason or "KV transfer failed", code)
             return
         job.phase = Phase.RUNNING
         job.usage_cached_tokens = row.cached_tokens

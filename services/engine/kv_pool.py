@@ -11,7 +11,8 @@ in memory, which attention handles with a gather (advanced indexing) anyway.
 
 Next to the pages sits a small *aux* buffer: one int64 row per slot, carrying what travels with
 the KV (room id, first token id, its logprob, sender epoch, prompt tokens prefill found in its
-prefix cache), also sent over NIXL.
+prefix cache, how many KV pages the WRITE carries, and the KV checksum of those pages and of
+the words before it: services/transfer/kv_checksum.py), also sent over NIXL.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from services.engine.model_config import ModelConfig
 from services.engine.page_allocator import PageAllocator
 
 # aux row layout (int64 words); the logprob is a float64 stored bit-for-bit.
-AUX_ROOM, AUX_TOKEN, AUX_LOGPROB_BITS, AUX_EPOCH, AUX_CACHED = 0, 1, 2, 3, 4
-AUX_WORDS = 5
+AUX_ROOM, AUX_TOKEN, AUX_LOGPROB_BITS, AUX_EPOCH, AUX_CACHED, AUX_SENT_PAGES, AUX_CHECKSUM = 0, 1, 2, 3, 4, 5, 6
+AUX_WORDS = 7
 
 
 class KVPool:
@@ -55,6 +56,7 @@ class KVPool:
         self.aux = torch.zeros(num_aux_slots or num_pages, AUX_WORDS, dtype=torch.int64)
         self.allocator = PageAllocator(num_pages)
         self.aux_allocator = PageAllocator(self.aux.shape[0])
+        self._page_bytes = None  # page_run_bytes' view of a host pool, made on first use
 
     # --- sizes and addresses (what the transfer layer describes to NIXL) -------------------
     @property
@@ -76,6 +78,15 @@ class KVPool:
     def token_usage(self) -> float:
         """Fraction of pages in use (SGLang's token_usage gauge)."""
         return self.allocator.num_used / self.num_pages
+
+    def page_run_bytes(self, first: int, count: int):
+        """The bytes of pages first..first+count-1 (one contiguous run of the page-major tensor) as a
+        buffer the KV checksum can read: a view of host memory, a host copy of device memory."""
+        if self.kv.device.type != "cpu":
+            return self.kv[first : first + count].reshape(-1).view(torch.uint8).cpu().numpy()
+        if self._page_bytes is None:  # one numpy view of the whole pool: slicing it costs ~1 µs a run
+            self._page_bytes = self.kv.view(self.num_pages, -1).view(torch.uint8).numpy()
+        return self._page_bytes[first : first + count]
 
     # --- per-layer access used by attention -------------------------------------------------
     def write(self, layer: int, slots_page: torch.Tensor, slots_off: torch.Tensor, k: torch.Tensor, v: torch.Tensor):

@@ -40,6 +40,9 @@ async def serve(argv=None) -> None:
         drop_notification=faults.drop_notification,
         refuse_attach=faults.fail_attach,
         refuse_attach_from=faults.fail_attach_from,
+        kv_checksum=args.kv_checksum,
+        misroute_kv=faults.misroute_kv,
+        fault_seed=faults.fault_seed,
     )
     metrics = Metrics("prefill", engine.model_name, worker_id)
     worker = PrefillWorker(engine, sender, metrics, faults, args.chunked_prefill_size)

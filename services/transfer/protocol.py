@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 # Bump on any change to bootstrap.proto, to the notification format or to the aux row layout.
-# 2: AbortReply.quiesced, HeartbeatReply.forward_age_seconds; 3: AttachRequest.skip_pages, aux AUX_CACHED
-PROTOCOL_VERSION = 3
+# 2: AbortReply.quiesced, HeartbeatReply.forward_age_seconds; 3: AttachRequest.skip_pages, aux AUX_CACHED;
+# 4: aux AUX_SENT_PAGES, AUX_CHECKSUM (the KV checksum, services/transfer/kv_checksum.py)
+PROTOCOL_VERSION = 4
 
 # aux row words (int64), mirrored from services/engine/kv_pool.py (kept equal by a unit test).
-AUX_ROOM, AUX_TOKEN, AUX_LOGPROB_BITS, AUX_EPOCH, AUX_CACHED = 0, 1, 2, 3, 4
-AUX_WORDS = 5
+AUX_ROOM, AUX_TOKEN, AUX_LOGPROB_BITS, AUX_EPOCH, AUX_CACHED, AUX_SENT_PAGES, AUX_CHECKSUM = 0, 1, 2, 3, 4, 5, 6
+AUX_WORDS = 7
 
 _NOTIF_PREFIX = b"pdmesh-kv"
 
@@ -179,6 +180,8 @@ class AuxRow:
     logprob: float
     epoch: int  # the sender's epoch
     cached_tokens: int = 0  # prompt tokens the sender found in its prefix cache (usage reports them)
+    sent_pages: int = 0  # KV pages the WRITE carries (the first ones of the room's destination pages)
+    checksum: int = 0  # the KV checksum of those pages and the words before it; 0: none computed
 
     def words(self) -> list[int]:
         w = [0] * AUX_WORDS
@@ -187,6 +190,8 @@ class AuxRow:
         w[AUX_LOGPROB_BITS] = float_to_bits(self.logprob)
         w[AUX_EPOCH] = self.epoch
         w[AUX_CACHED] = self.cached_tokens
+        w[AUX_SENT_PAGES] = self.sent_pages
+        w[AUX_CHECKSUM] = self.checksum
         return w
 
     @classmethod
@@ -197,6 +202,8 @@ class AuxRow:
             logprob=bits_to_float(w[AUX_LOGPROB_BITS]),
             epoch=w[AUX_EPOCH],
             cached_tokens=w[AUX_CACHED],
+            sent_pages=w[AUX_SENT_PAGES],
+            checksum=w[AUX_CHECKSUM],
         )
 
 

@@ -21,11 +21,21 @@ No torch and no nixl import (the agent is passed in).
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.transfer.protocol import AUX_WORDS, AbortNotification, AuxRow, KVNotification, verify_aux
+from services.transfer.kv_checksum import NONE as NO_CHECKSUM
+from services.transfer.kv_checksum import kv_checksum
+from services.transfer.protocol import (
+    AUX_CHECKSUM,
+    AUX_WORDS,
+    AbortNotification,
+    AuxRow,
+    KVNotification,
+    verify_aux,
+)
 from services.transfer.state import Clock, Room, RoomState, RoomTable
 
 log = logging.getLogger(__name__)
@@ -52,6 +62,7 @@ class ReceiverRoom(Room):
     attached_at: float | None = None
     forward_done_at: float | None = None
     early: list[tuple[str, KVNotification]] | None = None  # notifications before the attach reply
+    code: str = "UNAVAILABLE"  # the gRPC code its failure maps to (DATA_LOSS: the KV checksum failed)
 
 
 _WAITING = (RoomState.WAITING_FOR_INPUT, RoomState.TRANSFERRING)
@@ -66,8 +77,21 @@ class KVReceiver:
         clock: Clock = time.monotonic,
         on_terminal: Callable[[ReceiverRoom], None] | None = None,
         tombstones: int = 65536,
+        verify_checksum: bool = False,
+        corrupt_kv: float = 0.0,
+        fault_seed: int = 0,
     ):
-        """agent: NixlAgent of this process; pool: KVPool (uses .aux and .aux_allocator)."""
+        """agent: NixlAgent of this process; pool: KVPool (uses .aux and .aux_allocator, and
+        .page_run_bytes to verify the KV checksum)."""
+        # check every room's KV against the sender's checksum before it is used
+        # (services/transfer/kv_checksum.py); rows that carry none (sender's check off) pass
+        self.verify_checksum = verify_checksum
+        # TEST-ONLY fault knob: with this probability a room's first page is corrupted after its
+        # WRITE landed (every value negated: finite, and wrong), drawn from a generator seeded with fault_seed
+        self.corrupt_kv = corrupt_kv
+        self._fault_rng = random.Random(fault_seed)
+        if corrupt_kv:
+            log.warning("FAULT INJECTION ON: KV receiver corrupts a room's KV with probability %g", corrupt_kv)
         self.agent = agent
         self.pool = pool
         self.clock = clock
@@ -182,10 +206,18 @@ class KVReceiver:
                 f"!= expected (sender {r.sender_epoch}, receiver {self.epoch})",
             )
             return
-        row = AuxRow.from_words([int(v) for v in self.pool.aux[r.aux_slot].tolist()])
+        words = [int(v) for v in self.pool.aux[r.aux_slot].tolist()]
+        row = AuxRow.from_words(words)
         why = verify_aux(row, r.room, r.sender_epoch)
         if why:
             self._fail(r, why)
+            return
+        if self.corrupt_kv and row.sent_pages and self._fault_rng.random() < self.corrupt_kv:
+            self.pool.kv[r.dst_pages[0]].neg_()
+            log.warning("FAULT: room=%d: KV page %d corrupted after its WRITE landed", r.room, r.dst_pages[0])
+        why = self._check_kv(r, row, words)
+        if why:
+            self._fail(r, why, code="DATA_LOSS")
             return
         r.result = row
         r.advance(RoomState.SUCCESS, self.clock())
@@ -204,9 +236,21 @@ class KVReceiver:
             return False
         return self._fail(r, reason)
 
-    def _fail(self, r: ReceiverRoom, reason: str) -> bool:
+    def _check_kv(self, r: ReceiverRoom, row: AuxRow, words: list[int]) -> str | None:
+        """None when the room's KV pages hash to the sender's checksum (or it sent none), else why not."""
+        if not self.verify_checksum or row.checksum == NO_CHECKSUM:
+            return None
+        if not 0 < row.sent_pages <= len(r.dst_pages or ()):
+            return f"KV checksum: the sender wrote {row.sent_pages} pages, the room has {len(r.dst_pages or ())}"
+        pages = r.dst_pages[: row.sent_pages]
+        if kv_checksum(self.pool.page_run_bytes, pages, words[:AUX_CHECKSUM]) != row.checksum:
+            return f"KV checksum mismatch over pages {pages[:8]}{'...' if len(pages) > 8 else ''} (corrupt or misplaced KV)"
+        return None
+
+    def _fail(self, r: ReceiverRoom, reason: str, code: str = "UNAVAILABLE") -> bool:
         if not r.fail(reason, self.clock()):
             return False
+        r.code = code
         self.stats["failed"] += 1
         log.warning("kv receive failed room=%d reason=%s", r.room, reason)
         self._notify(r)

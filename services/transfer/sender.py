@@ -26,13 +26,16 @@ a fake in unit tests).
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from services.transfer.descriptors import Desc, page_descs
+from services.transfer.kv_checksum import kv_checksum
 from services.transfer.protocol import (
+    AUX_CHECKSUM,
     AUX_WORDS,
     AbortNotification,
     AuxRow,
@@ -131,6 +134,9 @@ class KVSender:
         drop_notification: bool = False,
         refuse_attach: bool = False,
         refuse_attach_from: str = "",
+        kv_checksum: bool = False,
+        misroute_kv: float = 0.0,
+        fault_seed: int = 0,
         tombstones: int = 65536,
     ):
         """agent: NixlAgent of this process; pool: KVPool (uses .aux and .aux_allocator).
@@ -160,6 +166,14 @@ class KVSender:
             log.warning("FAULT INJECTION ON: KV sender drops every notification")
         if stall_before_post:
             log.warning("FAULT INJECTION ON: KV sender stalls %.3f s before every post", stall_before_post)
+        # the KV checksum of every room's pages and aux row (services/transfer/kv_checksum.py)
+        self.kv_checksum = kv_checksum
+        # TEST-ONLY fault knob: with this probability a room's KV pages land in its own destination
+        # pages in the wrong order (two swapped), drawn from a generator seeded with fault_seed
+        self.misroute_kv = misroute_kv
+        self._fault_rng = random.Random(fault_seed)
+        if misroute_kv:
+            log.warning("FAULT INJECTION ON: KV sender misroutes a room's pages with probability %g", misroute_kv)
         self.rooms: RoomTable[SenderRoom] = RoomTable(clock, tombstones)
         self._pending: dict[int, AttachInfo] = {}
         self._flush_until = 0.0  # poll() drives UCX progress until then (abort notifications)
@@ -336,13 +350,19 @@ class KVSender:
             self._fail(r, f"no aux staging slot: {e}")
             return True
         r.aux_slot = slot
-        words = AuxRow(room, first_token, logprob, self.epoch, cached_tokens).words()
+        words = AuxRow(room, first_token, logprob, self.epoch, cached_tokens, sent_pages=len(src_pages)).words()
+        if self.kv_checksum:
+            words[AUX_CHECKSUM] = kv_checksum(self.pool.page_run_bytes, src_pages, words[:AUX_CHECKSUM])
         for i in range(AUX_WORDS):
             self.pool.aux[slot, i] = words[i]
         lay = self.layout
+        dst_pages = list(a.dst_pages[: len(src_pages)])
+        if self.misroute_kv and len(dst_pages) > 1 and self._fault_rng.random() < self.misroute_kv:
+            dst_pages[0], dst_pages[1] = dst_pages[1], dst_pages[0]
+            log.warning("FAULT: room=%d: KV pages misrouted (first two swapped)", room)
         kv = page_descs(
             src_pages,
-            a.dst_pages[: len(src_pages)],
+            dst_pages,
             lay.kv_base_addr,
             peer.layout.kv_base_addr,
             lay.page_nbytes,

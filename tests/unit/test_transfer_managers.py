@@ -152,7 +152,7 @@ def test_happy_path_sender():
         (100_000 + 32 * r.aux_slot, 2_000_000 + 3 * 32, 32),
     ]
     assert KVNotification.decode(x.notif) == KVNotification(7, 500, 10)
-    assert AuxRow.from_words(s.pool.aux[r.aux_slot].tolist()) == AuxRow(7, 9, -0.5, 500)
+    assert AuxRow.from_words(s.pool.aux[r.aux_slot].tolist()) == AuxRow(7, 9, -0.5, 500, sent_pages=3)
     assert s.poll() == 1
     x.state = "DONE"
     assert s.poll() == 0

@@ -33,14 +33,9 @@ def test_aux_row_words_and_verification():
 def test_aux_layout_matches_kv_pool():
     from services.engine import kv_pool
 
-    assert (p.AUX_ROOM, p.AUX_TOKEN, p.AUX_LOGPROB_BITS, p.AUX_EPOCH, p.AUX_CACHED, p.AUX_WORDS) == (
-        kv_pool.AUX_ROOM,
-        kv_pool.AUX_TOKEN,
-        kv_pool.AUX_LOGPROB_BITS,
-        kv_pool.AUX_EPOCH,
-        kv_pool.AUX_CACHED,
-        kv_pool.AUX_WORDS,
-    )
+    names = ("AUX_ROOM", "AUX_TOKEN", "AUX_LOGPROB_BITS", "AUX_EPOCH", "AUX_CACHED", "AUX_SENT_PAGES", "AUX_CHECKSUM",
+             "AUX_WORDS")
+    assert [getattr(p, n) for n in names] == [getattr(kv_pool, n) for n in names]
 
 
 def test_version_mismatch_names_both_versions():

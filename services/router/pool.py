@@ -362,6 +362,8 @@ class WorkerPool:
 
     def _choose(self, role: str, group: list[Worker], excluded: set[Worker]) -> Worker:
         healthy = [w for w in group if w.healthy]
+        if not healthy:  # the group emptied while another role's group was probed (an await above)
+            raise no_healthy_workers(role)
         candidates = [w for w in healthy if w not in excluded] or healthy
         return self._policies[role].choose(candidates, load_of)
 

@@ -140,9 +140,9 @@ ROUTER_FLAGS = [
     Flag("client-write-timeout", float, 30.0,
          "seconds a response may stay blocked on a client that reads nothing; past it the connection is "
          "cut, the request's rooms are aborted and its admission slot freed"),
-    Flag("max-buffered-tokens", int, 8192,
-         "tokens one stream may hold in the router, generated but not yet written to a client that reads "
-         "too slowly; past it the client is cut off as a stalled reader"),
+    Flag("max-buffered-tokens", int, 1024,
+         "tokens per choice a stream may hold in the router, generated but not yet written to a client that "
+         "reads too slowly (past the socket's own buffers); past it the client is cut off as a stalled reader"),
     Flag("keep-alive-timeout", float, 75.0, "seconds an idle keep-alive connection stays open"),
     Flag("max-connections", int, 4096,
          "open client connections; at the limit a new one closes the longest-idle one (between requests "

@@ -90,7 +90,7 @@ class RouterSettings:
     max_body_bytes: int = 8 * 1024 * 1024
     body_timeout: float = 30.0
     max_body_reads: int = 512
-    max_buffered_tokens: int = 8192
+    max_buffered_tokens: int = 1024  # per choice
     health_check_interval: float = 1.0
     health_check_timeout: float = 1.0
     health_failure_threshold: int = 2
@@ -366,7 +366,7 @@ class _Run:
                        for i in range(spec.n)]
         self.state = self.states[0]
         timeout = router.settings.request_timeout
-        buffered = router.settings.max_buffered_tokens
+        buffered = router.settings.max_buffered_tokens * spec.n  # the flag is per choice
         if spec.n == 1:
             gen = router.orchestrator.generate(self._choice_spec(0), deadline, timeout, first_room=request_id)
             self.fan: FanIn | Single = FanIn([gen], buffered) if spec.stream else Single(gen)

@@ -42,7 +42,7 @@ FRONT_FLAGS = (
     "--max-connections", "400", "--request-timeout", "60",
 )
 # a router that buffers little for a stream and waits long on a blocked write: only the buffer cuts
-BUFFER_FLAGS = ("--max-buffered-tokens", "64", "--client-write-timeout", "600", "--request-timeout", "60")
+BUFFER_FLAGS = ("--max-buffered-tokens", "8", "--client-write-timeout", "600", "--request-timeout", "60")
 NORMAL = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
 # A stream that fills the socket buffers (on loopback the kernel takes ~3 MB before the router's
 # writes block) within seconds: n choices of big events (20 alternatives per token).

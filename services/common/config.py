@@ -145,7 +145,7 @@ ROUTER_FLAGS = [
          "reads too slowly (past the socket's own buffers); past it the client is cut off as a stalled reader"),
     Flag("keep-alive-timeout", float, 75.0, "seconds an idle keep-alive connection stays open"),
     Flag("max-connections", int, 4096,
-         "open client connections; at the limit a new one closes the longest-idle one (between requests "
+         "open client connections (per router process); at the limit a new one closes the longest-idle one (between requests "
          "or still sending headers), or is refused when none is idle"),
     Flag("health-check-interval", float, 1.0, "seconds between gRPC health probes of each worker"),
     Flag("health-check-timeout", float, 1.0, "seconds one gRPC health probe may take"),

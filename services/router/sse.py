@@ -102,17 +102,21 @@ class SSEResponse(Response):
         self._cut = False
 
     def cut_off(self) -> None:
-        if self._cut or self._task is None:
+        if self._cut:
             return
         self._cut = True
-        if self._connection is not None:
-            self._connection.abort()
-        self._task.cancel()
+        if self._task is not None:  # else the stream has not started: it will not
+            if self._connection is not None:
+                self._connection.abort()
+            self._task.cancel()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         disconnected = False
         self._task = asyncio.current_task()
         self._connection = scope.get("extensions", {}).get(CONNECTION_EXTENSION)
+        if self._cut:  # cut off before it began
+            self._cut = False
+            self.cut_off()
 
         async def pump() -> None:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})

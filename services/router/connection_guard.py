@@ -124,6 +124,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._header_timer = None
         if self._aborted or self.transport.is_closing():
             return
+        if self.cycle is not None and not self.cycle.response_complete:
+            # a further request's headers begun while a response is still going out (pipelined):
+            # no answer can be written now; they are bounded again from here
+            self._arm_header_timer()
+            return
         self.on_cutoff("header_timeout")
         # a short answer fits the socket's buffer whatever the client does; then closed as usual
         self.transport.write(_TIMEOUT_RESPONSE % (len(_TIMEOUT_BODY), _TIMEOUT_BODY))

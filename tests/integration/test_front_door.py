@@ -47,9 +47,13 @@ FRONT_FLAGS = (
 BUFFER_FLAGS = ("--max-buffered-tokens", "8", "--client-write-timeout", "600", "--request-timeout", "60")
 NORMAL = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
 # A stream that fills the socket buffers (on loopback the kernel takes ~3 MB before the router's
-# writes block) within seconds: n choices of big events (20 alternatives per token).
-LONG_STREAM = {"model": MODEL, "prompt": "tell me a long story", "max_tokens": 4000, "ignore_eos": True,
-               "logprobs": 20, "n": BUDGET, "stream": True}
+# writes block) within seconds: n choices of big events (chat: 20 alternatives per token, each
+# with its bytes).
+STALLED_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "tell me a long story"}],
+                "max_tokens": 4000, "ignore_eos": True, "logprobs": True, "top_logprobs": 20, "n": BUDGET,
+                "stream": True}
+LONG_STREAM = {"model": MODEL, "prompt": "tell me a long story", "max_tokens": 2000, "ignore_eos": True,
+               "n": BUDGET, "stream": True}
 
 
 @pytest.fixture(scope="module")
@@ -195,9 +199,9 @@ def test_idle_connections_are_bounded(mesh):
 
 def stop_reading(r) -> socket.socket:
     """A streaming request on a socket with a small receive buffer, read up to its first event."""
-    body = json.dumps(LONG_STREAM).encode()
+    body = json.dumps(STALLED_CHAT).encode()
     s = connect(r.http_port, rcvbuf=4096)
-    s.sendall(head(r.http_port, len(body)) + body)
+    s.sendall(head(r.http_port, len(body), "/v1/chat/completions") + body)
     got = b""
     while b"data: " not in got:
         part = s.recv(1024)
@@ -234,8 +238,7 @@ def test_admission_counts_choices(mesh):
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == "n"
 
-    body = {**LONG_STREAM, "n": BUDGET, "max_tokens": 2000}
-    body.pop("logprobs")
+    body = LONG_STREAM
 
     def hold() -> int:  # a stream of BUDGET choices, read until told to stop
         with httpx.Client(timeout=60) as client, client.stream("POST", r.http_url + "/v1/completions",

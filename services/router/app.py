@@ -468,6 +468,14 @@ class _Run:
         else:
             log.info("request done", **fields)
 
+    async def end(self, status: int, error: str | None = None) -> None:
+        """Close every choice, then finish: also when the closing is cancelled (the task's own
+        cancellation comes out of the close, and the slots must be freed all the same)."""
+        try:
+            await self.fan.close()
+        finally:
+            self.finish(status, error)
+
     async def _collect(self) -> None:
         while not self.all_finished:
             index, chunk = await self.next()
@@ -488,8 +496,7 @@ class _Run:
             status, error = CLIENT_CLOSED, "client disconnected"
             return Response(status_code=CLIENT_CLOSED)
         finally:
-            await self.fan.close()
-            self.finish(status, error)
+            await self.end(status, error)
 
     async def _first_of_each(self) -> list[tuple[int, object]]:
         """Chunks until every choice has sent one: failures before that are still an HTTP status."""
@@ -502,16 +509,13 @@ class _Run:
         try:
             first = await run_until_disconnect(self._first_of_each(), request.receive)
         except APIError as e:
-            await self.fan.close()
-            self.finish(e.status, e.message)
+            await self.end(e.status, e.message)
             return error_json(e, self.request_id)
         except ClientDisconnected:
-            await self.fan.close()
-            self.finish(CLIENT_CLOSED, "client disconnected")
+            await self.end(CLIENT_CLOSED, "client disconnected")
             return Response(status_code=CLIENT_CLOSED)
         except BaseException:
-            await self.fan.close()
-            self.finish(500, "internal error before the first token")
+            await self.end(500, "internal error before the first token")
             raise
         outcome: dict[str, Any] = {"status": 200, "error": None}
 

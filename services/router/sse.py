@@ -135,6 +135,8 @@ class SSEResponse(Response):
                 self._task.uncancel()
                 disconnected = True
             finally:
-                with contextlib.suppress(Exception):
-                    await self.events.aclose()  # type: ignore[attr-defined]
-                await self.on_close(disconnected)
+                try:
+                    with contextlib.suppress(Exception):
+                        await self.events.aclose()  # type: ignore[attr-defined]
+                finally:  # also when the closing is cancelled: on_close frees what the stream holds
+                    await self.on_close(disconnected)

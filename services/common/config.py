@@ -132,8 +132,28 @@ ROUTER_FLAGS = [
          choices=("auto", "none", "hermes", "llama3_json")),
     Flag("api-key", str, "", "require 'Authorization: Bearer KEY' when set"),
     Flag("request-timeout", float, 600.0, "seconds after which a request fails with 504"),
-    Flag("max-concurrent-requests", int, 256, "requests the router serves at once; beyond it new ones get 429"),
+    Flag("max-concurrent-requests", int, 256,
+         "the router's admission budget, in choices (what the workers hold: a request with n = 4 takes 4): "
+         "a request that would take it past the budget gets 429, one with n above the whole budget 400"),
     Flag("max-body-bytes", int, 8 * 1024 * 1024, "largest request body in bytes; larger ones get 413 unparsed"),
+    Flag("header-timeout", float, 10.0,
+         "seconds a connection may take from its first byte (or from opening) to the end of a request's "
+         "headers; past it the router answers 408 and closes it"),
+    Flag("body-timeout", float, 30.0,
+         "seconds a request body may take to arrive in full, counted from the end of its headers; past it "
+         "408 and the connection is closed (no admission slot is held while a body arrives)"),
+    Flag("max-body-reads", int, 512,
+         "request bodies the router reads at once; beyond it new requests get 429 without their body read"),
+    Flag("client-write-timeout", float, 30.0,
+         "seconds a response may stay blocked on a client that reads nothing; past it the connection is "
+         "cut, the request's rooms are aborted and its admission slot freed"),
+    Flag("max-buffered-tokens", int, 1024,
+         "tokens per choice a stream may hold in the router, generated but not yet written to a client that "
+         "reads too slowly (past the socket's own buffers); past it the client is cut off as a stalled reader"),
+    Flag("keep-alive-timeout", float, 75.0, "seconds an idle keep-alive connection stays open"),
+    Flag("max-connections", int, 4096,
+         "open client connections (per router process); at the limit a new one closes the longest-idle one (between requests "
+         "or still sending headers), or is refused when none is idle"),
     Flag("health-check-interval", float, 1.0, "seconds between gRPC health probes of each worker"),
     Flag("health-check-timeout", float, 1.0, "seconds one gRPC health probe may take"),
     Flag("health-failure-threshold", int, 2, "failed probes in a row that eject a worker (one success re-admits)"),

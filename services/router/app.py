@@ -3,11 +3,16 @@
 POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /v1/models[/{id}],
 GET /health (200 while a healthy prefill+decode pair exists, else 503), GET /metrics.
 
-Order of checks for a generation request: API key (401) → the router's concurrency limit
-(429, before the body is read or tokenized: an overloaded router must not spend work on
-requests it will refuse) → body size, from Content-Length and while reading (413, before any
-parsing) → JSON (400) → fields and model (400/404) → tokenization and context length (400) →
-workers (503 none healthy / worker failure, 504 deadline).
+Order of checks for a generation request: API key (401) → the router's admission budget
+spent already (429, before the body is read or tokenized: an overloaded router must not spend
+work on requests it will refuse) → bodies being read at once (429, --max-body-reads) → body
+size, from Content-Length and while reading (413, before any parsing) → body in time (408,
+--body-timeout) → JSON (400; nested too deeply for the parser: 400) → fields and model
+(400/404) → tokenization and context length (400) → admission of its n choices (400 for more
+than the whole budget, 429 for more than is left: the slots are taken only once the body is in,
+so a client slow to send holds none) → workers (503 none healthy / worker failure, 504
+deadline). A refusal before the body is in closes the connection (the rest of the body would
+otherwise arrive as its next bytes).
 
 A streaming response starts (status 200, first SSE byte) only once decode's first token is
 in hand, so every failure before it is a proper HTTP status and is failed over to another
@@ -83,8 +88,11 @@ class RouterSettings:
     api_key: str = ""
     tool_call_parser: str = "auto"  # services/router/tool_parsers.py: auto | none | hermes | llama3_json
     request_timeout: float = 600.0
-    max_concurrent_requests: int = 256
+    max_concurrent_requests: int = 256  # choices, not HTTP requests
     max_body_bytes: int = 8 * 1024 * 1024
+    body_timeout: float = 30.0
+    max_body_reads: int = 512
+    max_buffered_tokens: int = 1024  # per choice
     health_check_interval: float = 1.0
     health_check_timeout: float = 1.0
     health_failure_threshold: int = 2
@@ -159,6 +167,7 @@ class Router:
             self.shared.claim()
             label += f"-p{settings.process_index}"
         self._active = 0
+        self._body_reads = 0  # request bodies being read (--max-body-reads)
         self.metrics = Metrics("router", name, label)
         self.metrics.gauge_from("num_running_reqs", lambda: self.active)
         # the per-token metrics' labelled children, looked up once (labels() costs a lock and a dict per call)
@@ -194,7 +203,7 @@ class Router:
 
     @property
     def active(self) -> int:
-        """Admitted generation requests of this process not yet finished (the slot is taken before parsing)."""
+        """Choices admitted by this process and not yet finished (a request with n = 4 holds 4)."""
         return self._active
 
     @active.setter
@@ -203,16 +212,28 @@ class Router:
         if self.shared is not None:
             self.shared.set_active(n)  # the other processes' admission sees it at once
 
-    def admit(self) -> None:
-        """Take a slot under --max-concurrent-requests, which bounds the whole router: with
-        --processes, every process's admitted requests count (shared_state.py), or 429."""
+    def check_capacity(self) -> None:
+        """429 while the budget is spent, before any of the body is read: an overloaded router
+        refuses without spending work on the request."""
         limit = self.settings.max_concurrent_requests
-        if self.shared is None:
-            if self._active >= limit:
-                raise errors.too_many_requests(limit)
-        elif not self.shared.try_admit(limit):
+        taken = self._active if self.shared is None else self._active + self.shared.peers_active()
+        if taken >= limit:
             raise errors.too_many_requests(limit)
-        self._active += 1
+
+    def admit(self, cost: int) -> None:
+        """Take `cost` slots (a request's choices: what the workers will hold) of
+        --max-concurrent-requests, which bounds the whole router: with --processes, every
+        process's admitted choices count (shared_state.py). 400 for more than the whole budget,
+        429 for more than is left."""
+        limit = self.settings.max_concurrent_requests
+        if cost > limit:
+            raise errors.choices_over_budget(cost, limit)
+        if self.shared is None:
+            if self._active + cost > limit:
+                raise errors.too_many_requests(limit)
+        elif not self.shared.try_admit(limit, cost):
+            raise errors.too_many_requests(limit)
+        self._active += cost
 
     async def start(self) -> None:
         if self.siblings is not None:
@@ -252,7 +273,29 @@ class Router:
             raise errors.unauthorized()
 
     async def read_json(self, request: Request) -> tuple[Any, int]:
-        """The parsed body and its size in bytes; 413 as soon as the limit is crossed."""
+        """The parsed body and its size in bytes: 413 as soon as the size limit is crossed, 408
+        when it is not in within --body-timeout, 429 when --max-body-reads are already under way."""
+        if self._body_reads >= self.settings.max_body_reads:
+            raise errors.too_many_body_reads(self.settings.max_body_reads)
+        self._body_reads += 1
+        try:
+            async with asyncio.timeout(self.settings.body_timeout):
+                raw = await self._read_body(request)
+        except TimeoutError:
+            self.metrics.inc(self.metrics.router_client_cutoffs, reason="body_timeout")
+            raise errors.body_timeout(self.settings.body_timeout) from None
+        finally:
+            self._body_reads -= 1
+        try:
+            return json.loads(raw), len(raw)
+        except RecursionError:
+            raise errors.nested_too_deeply() from None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise errors.bad_request(
+                f"We could not parse the JSON body of your request ({e}). Send valid JSON.", code="invalid_json"
+            ) from None
+
+    async def _read_body(self, request: Request) -> bytes:
         limit = self.settings.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None:
@@ -268,19 +311,16 @@ class Router:
             if size > limit:
                 raise errors.body_too_large(limit)
             parts.append(part)
-        raw = b"".join(parts)
-        try:
-            return json.loads(raw), len(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise errors.bad_request(
-                f"We could not parse the JSON body of your request ({e}). Send valid JSON.", code="invalid_json"
-            ) from None
+        return b"".join(parts)
 
     async def parse(self, kind: str, body: Any, size_hint: int) -> GenerateSpec:
         parse = parse_completion if kind == "completion" else parse_chat
-        if size_hint > PARSE_IN_THREAD_BYTES:
-            return await asyncio.to_thread(parse, body, self.info)
-        return parse(body, self.info)
+        try:
+            if size_hint > PARSE_IN_THREAD_BYTES:
+                return await asyncio.to_thread(parse, body, self.info)
+            return parse(body, self.info)
+        except RecursionError:  # a body deep enough to parse, walked by code that recurses
+            raise errors.nested_too_deeply() from None
 
     # --- generation -----------------------------------------------------------------------------
 
@@ -290,30 +330,31 @@ class Router:
         deadline = loop.time() + self.settings.request_timeout
         request_id = new_room()
         with bound_room(request_id):
-            admitted = False
+            body_in = False
             try:
                 self.check_auth(request)
-                self.admit()  # the slot is ours from here: concurrent arrivals see it while we parse
-                admitted = True
+                self.check_capacity()
                 body, size = await self.read_json(request)
+                body_in = True
                 spec = await self.parse(kind, body, size)
+                # the slots are taken once the body is in and parsed: a client slow to send holds none
+                self.admit(spec.n)
             except APIError as e:
-                if admitted:
-                    self.active -= 1
                 log.info("request rejected", status=e.status, error=e.message[:300])
+                if not body_in:
+                    # what is left of the body would arrive as the connection's next bytes: close it
+                    e.headers = {**e.headers, "Connection": "close"}
                 return self.error_response(e, request_id)
             except ClientDisconnect:
-                if admitted:
-                    self.active -= 1
                 self.count(CLIENT_CLOSED)
                 return Response(status_code=CLIENT_CLOSED)
+            try:
+                self.metrics.inc(self.metrics.num_requests)
+                self.metrics.inc(self.metrics.prompt_tokens, len(spec.prompt_ids))
+                run = _Run(self, spec, request_id, t0, deadline)
             except BaseException:
-                if admitted:
-                    self.active -= 1
+                self.active -= spec.n
                 raise
-            self.metrics.inc(self.metrics.num_requests)
-            self.metrics.inc(self.metrics.prompt_tokens, len(spec.prompt_ids))
-            run = _Run(self, spec, request_id, t0, deadline)
             if spec.stream:
                 return await run.stream(request)
             return await run.complete(request)
@@ -337,16 +378,17 @@ class _Run:
                        for i in range(spec.n)]
         self.state = self.states[0]
         timeout = router.settings.request_timeout
+        buffered = router.settings.max_buffered_tokens * spec.n  # the flag is per choice
         if spec.n == 1:
             gen = router.orchestrator.generate(self._choice_spec(0), deadline, timeout, first_room=request_id)
-            self.fan: FanIn | Single = FanIn([gen]) if spec.stream else Single(gen)
+            self.fan: FanIn | Single = FanIn([gen], buffered) if spec.stream else Single(gen)
         else:
             share = PrefillShare(new_room())
             self.fan = FanIn([
                 router.orchestrator.generate(self._choice_spec(i), deadline, timeout,
                                              first_room=request_id if i == 0 else None, share=share)
                 for i in range(spec.n)
-            ])
+            ], buffered)
         self.last_token_at: list[float | None] = [None] * spec.n
         self.ttft: float | None = None
         self._ended: set[int] = set()  # choices whose last chunk (with a finish reason) was read
@@ -421,7 +463,7 @@ class _Run:
             return
         self._finished = True
         r = self.router
-        r.active -= 1
+        r.active -= self.spec.n
         r.count(status)
         e2e = time.monotonic() - self.t0
         if self.ttft is not None:
@@ -437,6 +479,14 @@ class _Run:
             log.warning("request failed", error=error[:500], **fields)
         else:
             log.info("request done", **fields)
+
+    async def end(self, status: int, error: str | None = None) -> None:
+        """Close every choice, then finish: also when the closing is cancelled (the task's own
+        cancellation comes out of the close, and the slots must be freed all the same)."""
+        try:
+            await self.fan.close()
+        finally:
+            self.finish(status, error)
 
     async def _collect(self) -> None:
         while not self.all_finished:
@@ -458,8 +508,7 @@ class _Run:
             status, error = CLIENT_CLOSED, "client disconnected"
             return Response(status_code=CLIENT_CLOSED)
         finally:
-            await self.fan.close()
-            self.finish(status, error)
+            await self.end(status, error)
 
     async def _first_of_each(self) -> list[tuple[int, object]]:
         """Chunks until every choice has sent one: failures before that are still an HTTP status."""
@@ -472,16 +521,13 @@ class _Run:
         try:
             first = await run_until_disconnect(self._first_of_each(), request.receive)
         except APIError as e:
-            await self.fan.close()
-            self.finish(e.status, e.message)
+            await self.end(e.status, e.message)
             return error_json(e, self.request_id)
         except ClientDisconnected:
-            await self.fan.close()
-            self.finish(CLIENT_CLOSED, "client disconnected")
+            await self.end(CLIENT_CLOSED, "client disconnected")
             return Response(status_code=CLIENT_CLOSED)
         except BaseException:
-            await self.fan.close()
-            self.finish(500, "internal error before the first token")
+            await self.end(500, "internal error before the first token")
             raise
         outcome: dict[str, Any] = {"status": 200, "error": None}
 
@@ -497,12 +543,21 @@ class _Run:
                 else:
                     self.finish(outcome["status"], outcome["error"])
 
-        return SSEResponse(
+        response = SSEResponse(
             self._events(first, outcome),
             on_close,
             bind=lambda: bound_room(self.request_id),
             headers={"X-Request-Id": f"{self.request_id:016x}"},
         )
+
+        def too_far_behind() -> None:
+            # its client reads slower than decode writes: cut it off, as one that stopped reading
+            log.warning("client too far behind the stream; cut off", buffered_tokens=self.fan.buffered)
+            self.router.metrics.inc(self.router.metrics.router_client_cutoffs, reason="buffer")
+            response.cut_off()
+
+        self.fan.on_overflow = too_far_behind  # type: ignore[union-attr]
+        return response
 
     async def _events(self, first: list[tuple[int, object]], outcome: dict[str, Any]) -> AsyncIterator[bytes]:
         # Events of every chunk already in hand go out in one write: when decode (or its many

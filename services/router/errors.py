@@ -14,6 +14,7 @@ _TYPES = {
     401: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
@@ -112,10 +113,34 @@ def body_too_large(limit: int) -> APIError:
 def too_many_requests(limit: int) -> APIError:
     return APIError(
         429,
-        f"The router is at its limit of {limit} concurrent requests; retry shortly.",
+        f"The router is at its limit of {limit} concurrent choices (n counts each); retry shortly.",
         code="rate_limit_exceeded",
         headers={"Retry-After": "1"},
     )
+
+
+def choices_over_budget(n: int, limit: int) -> APIError:
+    return bad_request(
+        f"n = {n} is more choices than this router ever serves at once ({limit}); ask for at most {limit}.",
+        param="n", code="n_over_budget",
+    )
+
+
+def too_many_body_reads(limit: int) -> APIError:
+    return APIError(
+        429,
+        f"The router is reading its limit of {limit} request bodies; retry shortly.",
+        code="rate_limit_exceeded",
+        headers={"Retry-After": "1"},
+    )
+
+
+def body_timeout(timeout: float) -> APIError:
+    return APIError(408, f"The request body did not arrive within {timeout:g} s.", code="request_timeout")
+
+
+def nested_too_deeply() -> APIError:
+    return bad_request("The JSON body is nested too deeply.", code="invalid_json")
 
 
 def no_healthy_workers(what: str) -> APIError:

@@ -14,8 +14,7 @@ attempt, without the key.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from services.router.orchestrator import Chunk
@@ -31,8 +30,18 @@ class PrefillShare:
 
 
 class FanIn:
-    def __init__(self, gens: list[AsyncIterator[Chunk]]):
+    """The choices' chunks in arrival order. What is read from the workers but not yet by the
+    caller is counted in tokens (`buffered`): past `max_buffered` (the caller is stuck writing to a
+    client that does not keep up), `on_overflow` is called once and the caller is expected to cut
+    that client off; the pumps go on reading meanwhile, so one slow client never backs up a
+    worker's lane that other requests share."""
+
+    def __init__(self, gens: list[AsyncIterator[Chunk]], max_buffered: int | None = None):
         self.gens = gens
+        self.max_buffered = max_buffered
+        self.on_overflow: Callable[[], None] | None = None
+        self.buffered = 0  # tokens queued for the caller
+        self._overflowed = False
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks = [asyncio.ensure_future(self._pump(i, g)) for i, g in enumerate(gens)]
 
@@ -40,40 +49,67 @@ class FanIn:
         try:
             async for chunk in gen:
                 self._queue.put_nowait((index, chunk, None))
+                self.buffered += len(chunk.token_ids)
+                if self.max_buffered is not None and self.buffered > self.max_buffered:
+                    self._overflow()
             self._queue.put_nowait((index, None, None))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - APIError or a bug: the reader re-raises it
             self._queue.put_nowait((index, None, e))
 
+    def _overflow(self) -> None:
+        if not self._overflowed and self.on_overflow is not None:
+            self._overflowed = True
+            self.on_overflow()
+
+    def _got(self, index: int, chunk: Chunk | None, exc: BaseException | None) -> tuple[int, Chunk | None]:
+        if exc is not None:
+            raise exc
+        if chunk is not None:
+            self.buffered -= len(chunk.token_ids)
+        return index, chunk
+
     async def next(self) -> tuple[int, Chunk | None]:
         """(choice index, its next chunk), or (index, None) when that choice's stream ended.
         Raises what a choice's generator raised (an APIError)."""
-        index, chunk, exc = await self._queue.get()
-        if exc is not None:
-            raise exc
-        return index, chunk
+        return self._got(*await self._queue.get())
 
     def next_nowait(self) -> tuple[int, Chunk | None] | None:
         """As next(), for a chunk already queued; None when nothing is (the caller then awaits next())."""
         try:
-            index, chunk, exc = self._queue.get_nowait()
+            got = self._queue.get_nowait()
         except asyncio.QueueEmpty:
             return None
-        if exc is not None:
-            raise exc
-        return index, chunk
+        return self._got(*got)
 
     async def close(self, index: int | None = None) -> None:
-        """Stop one choice (a stop string ended it: its Decode RPC is cancelled) or all of them."""
+        """Stop one choice (a stop string ended it: its Decode RPC is cancelled) or all of them.
+
+        Every picked choice is closed even when the caller is cancelled meanwhile (its client left
+        as a choice ended); that cancellation is raised afterwards, never swallowed, so the caller
+        goes on to close the other choices too instead of reading them for nobody."""
         picked = range(len(self._tasks)) if index is None else [index]
         for i in picked:
             self._tasks[i].cancel()
+        cancelled = False
         for i in picked:
-            with contextlib.suppress(BaseException):
-                await self._tasks[i]
-            with contextlib.suppress(BaseException):
-                await self.gens[i].aclose()  # type: ignore[attr-defined]
+            for step in (self._tasks[i], self.gens[i].aclose()):  # type: ignore[attr-defined]
+                cancelled = await _settle(step) or cancelled
+        if cancelled:
+            raise asyncio.CancelledError()
+
+
+async def _settle(step: Awaitable) -> bool:
+    """Await a closing step whatever it raises; True when the awaiting task itself was cancelled."""
+    try:
+        await step
+    except asyncio.CancelledError:
+        # the step's own cancellation (a pump we cancelled) or ours: only ours counts
+        return asyncio.current_task().cancelling() > 0
+    except Exception:  # noqa: BLE001 - a choice's failure while closing it is no longer anyone's
+        pass
+    return False
 
 
 class Single:
@@ -100,5 +136,5 @@ class Single:
         return None  # nothing is read ahead
 
     async def close(self, index: int | None = None) -> None:
-        with contextlib.suppress(BaseException):
-            await self.gen.aclose()  # type: ignore[attr-defined]
+        if await _settle(self.gen.aclose()):  # type: ignore[attr-defined]
+            raise asyncio.CancelledError()

@@ -12,6 +12,7 @@ from services.common.grpc_server import configure_internal_token
 from services.common.logging_setup import configure_logging, get_logger
 from services.common.parent_death import die_with
 from services.router.app import RouterSettings, create_app
+from services.router.connection_guard import ConnectionLimits, guarded_protocol
 from services.router.discovery import split_host_port
 from services.router.processes import Supervisor, child_identity, listening_socket
 
@@ -41,6 +42,11 @@ def main(argv=None) -> None:
     if args.canary_interval < 0 or args.canary_timeout <= 0 or args.pair_hold < 0:
         log.error("--canary-interval and --pair-hold must be 0 or more and --canary-timeout positive")
         sys.exit(2)
+    if min(args.header_timeout, args.body_timeout, args.client_write_timeout, args.keep_alive_timeout) <= 0 or min(
+            args.max_body_reads, args.max_buffered_tokens, args.max_connections) < 1:
+        log.error("--header-timeout, --body-timeout, --client-write-timeout, --keep-alive-timeout, "
+                  "--max-body-reads, --max-buffered-tokens and --max-connections must be positive")
+        sys.exit(2)
     if args.max_migrations < 0 or args.stream_stall_timeout <= 0:
         log.error("--max-migrations must be 0 or more and --stream-stall-timeout positive")
         sys.exit(2)
@@ -65,14 +71,18 @@ def main(argv=None) -> None:
         settings.process_index, settings.shared_dir = child[0], child[1]
         sockets = [listening_socket(args.host, args.port, reuse_port=True)]
     app = create_app(settings)
+    router = app.state.router
+    limits = ConnectionLimits(args.header_timeout, args.client_write_timeout, args.max_connections)
     config = uvicorn.Config(
         app,
+        http=guarded_protocol(limits, lambda reason: router.metrics.inc(router.metrics.router_client_cutoffs,
+                                                                         reason=reason)),
         host=args.host,
         port=args.port,
         log_config=None,  # keep our JSON logging; uvicorn's own plain-text lines only for problems
         log_level="debug" if args.log_level == "debug" else "warning",
         access_log=False,  # one structured line per request comes from the router itself
-        timeout_keep_alive=75,
+        timeout_keep_alive=args.keep_alive_timeout,
         timeout_graceful_shutdown=5,
     )
     # What exists by now (modules, the tokenizer, the app) lives as long as the process: frozen, it

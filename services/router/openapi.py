@@ -182,8 +182,9 @@ def error_responses() -> dict[int | str, dict[str, Any]]:
         400: "Invalid request (OpenAI-style error body)",
         401: "Missing or wrong API key",
         404: "Unknown model",
+        408: "Headers or body did not arrive in time",
         413: "Body too large",
-        429: "Too many concurrent requests",
+        429: "The admission budget (in choices) is spent, or too many bodies are being read",
         503: "No healthy worker, or the request failed on the workers",
         504: "Request deadline passed",
     }

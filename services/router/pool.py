@@ -360,6 +360,9 @@ class WorkerPool:
                 await self.probe_all(group)  # bounded by the probe timeout
             if not any(w.healthy for w in group):
                 raise no_healthy_workers(role)
+        for role, group in roles:  # a group may have emptied while another was probed (an await above)
+            if not any(w.healthy for w in group):
+                raise no_healthy_workers(role)
         if self.colocated:
             prefill = None
         elif not (prefill is not None and prefill.healthy and prefill not in excluded and prefill in self.prefills):

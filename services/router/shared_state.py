@@ -1,7 +1,7 @@
 """What the router's processes share (`--processes N`, N > 1): one small file mapped into each.
 
 Every process owns one row and is the only one writing it; every process reads all rows. A row
-holds the process's admitted requests (so `--max-concurrent-requests` bounds the router as a
+holds the process's admitted choices (a request with n = 4 counts 4; so `--max-concurrent-requests` bounds the router as a
 whole, not each process: an admission reads every row and counts itself under a lock on the
 file, so two processes admitting at the same moment cannot both take the last slot; the lock is
 held for a few loads and one store, and an admission waits for it ADMIT_LOCK_WAIT at most — a
@@ -93,15 +93,15 @@ class SharedState:
     def set_active(self, n: int) -> None:
         self._words[self._base + _ACTIVE] = n
 
-    def try_admit(self, limit: int) -> bool:
-        """Count one more admitted request of ours if the router as a whole is under `limit`."""
+    def try_admit(self, limit: int, cost: int = 1) -> bool:
+        """Count `cost` more admitted choices of ours if the router as a whole stays within `limit`."""
         locked = self._lock()
         try:
             at = self._base + _ACTIVE
             own = self._words[at]
-            if own + self.peers_active() >= limit:
+            if own + self.peers_active() + cost > limit:
                 return False
-            self._words[at] = own + 1
+            self._words[at] = own + cost
             return True
         finally:
             if locked:

@@ -18,6 +18,8 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from services.router.connection_guard import CONNECTION_EXTENSION
+
 DONE = b"data: [DONE]\n\n"
 
 
@@ -72,7 +74,10 @@ class SSEResponse(Response):
     """Streams `events` (already-encoded SSE bytes) and stops them when the client disconnects.
 
     `on_close(disconnected)` is awaited exactly once, after the stream ended or was cancelled,
-    and after `events` was closed explicitly (aclose), started or not.
+    and after `events` was closed explicitly (aclose), started or not. `cut_off()` ends the
+    stream as if the client had left (a client that falls too far behind): the connection is
+    aborted where the server offers it (services/router/connection_guard.py) and the stream's
+    task stops at once, whatever write it is blocked in.
     """
 
     media_type = "text/event-stream"
@@ -92,9 +97,26 @@ class SSEResponse(Response):
         self.events = events
         self.on_close = on_close
         self.bind = bind  # context (e.g. log fields) for everything the stream runs
+        self._task: asyncio.Task | None = None
+        self._connection = None
+        self._cut = False
+
+    def cut_off(self) -> None:
+        if self._cut:
+            return
+        self._cut = True
+        if self._task is not None:  # else the stream has not started: it will not
+            if self._connection is not None:
+                self._connection.abort()
+            self._task.cancel()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         disconnected = False
+        self._task = asyncio.current_task()
+        self._connection = scope.get("extensions", {}).get(CONNECTION_EXTENSION)
+        if self._cut:  # cut off before it began
+            self._cut = False
+            self.cut_off()
 
         async def pump() -> None:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
@@ -107,7 +129,14 @@ class SSEResponse(Response):
                 await run_until_disconnect(pump(), receive)
             except (ClientDisconnected, OSError):
                 disconnected = True
+            except asyncio.CancelledError:
+                if not self._cut:
+                    raise
+                self._task.uncancel()
+                disconnected = True
             finally:
-                with contextlib.suppress(Exception):
-                    await self.events.aclose()  # type: ignore[attr-defined]
-                await self.on_close(disconnected)
+                try:
+                    with contextlib.suppress(Exception):
+                        await self.events.aclose()  # type: ignore[attr-defined]
+                finally:  # also when the closing is cancelled: on_close frees what the stream holds
+                    await self.on_close(disconnected)

@@ -192,6 +192,17 @@ def test_max_concurrent_requests_bounds_the_whole_router(fakes, routers):
     r.assert_settled(fakes)
 
 
+def test_the_shared_budget_counts_choices(fakes, routers):
+    fakes.decode.behaviour = Behaviour(delay=4.0)  # each admitted choice holds its slot for 4 s
+    r = Router(fakes, "--max-concurrent-requests", "6")
+    routers.append(r)
+    assert post_new_connection(r.url, {**BODY, "n": 7}) == 400  # more than the whole router ever serves
+    with ThreadPoolExecutor(6) as pool:  # 6 requests of 2 choices on both processes: 3 fit in the budget
+        codes = sorted(pool.map(lambda _: post_new_connection(r.url, {**BODY, "n": 2}), range(6)))
+    assert codes == [200] * 3 + [429] * 3, codes
+    r.assert_settled(fakes)
+
+
 def test_a_dead_process_is_replaced_and_the_router_keeps_serving(fakes, routers):
     r = Router(fakes)
     routers.append(r)

@@ -43,6 +43,16 @@ def test_admission_counts_every_process(two):
     assert b.try_admit(3) and not a.try_admit(3)
 
 
+def test_admission_takes_a_requests_choices_at_once(two):
+    a, b = two
+    assert a.try_admit(8, cost=5)
+    assert not b.try_admit(8, cost=4)  # 5 + 4 > 8: nothing is taken
+    assert b.peers_active() == 5 and a.peers_active() == 0
+    assert b.try_admit(8, cost=3) and not a.try_admit(8)
+    a.set_active(0)  # a's request of 5 choices finished
+    assert a.try_admit(8, cost=5) and not b.try_admit(8, cost=1)
+
+
 def test_a_cleared_row_stops_counting(two):
     a, b = two
     assert a.try_admit(2) and a.try_admit(2)

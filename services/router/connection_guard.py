@@ -1,0 +1,174 @@
+"""Bounds on what one client connection may hold, kept where uvicorn keeps the connection.
+
+uvicorn (httptools) bounds an idle keep-alive connection in time, and nothing else: a connection
+that sends half its headers, or none, stays open forever, and a response to a client that stops
+reading waits forever on flow control (uvicorn's `send` awaits the transport's drain with no
+bound) while the request holds its admission slot and its rooms on the workers. This protocol is
+uvicorn's, with three guards:
+
+- **headers in time**: from the connection's opening, and from the first byte of each further
+  request on it, the headers must be complete within `header_timeout`; past it the client gets
+  408 and the connection is closed.
+- **a reader that makes progress**: when the transport's write buffer passes its high-water mark
+  (the client reads nothing, or far slower than we write) a `write_timeout` timer starts; the
+  buffer draining below the low-water mark stops it. Past it the connection is aborted (not
+  closed: closing waits for the unread buffer to flush), which uvicorn reports to the request as
+  a client disconnect — the request then aborts its rooms and frees its slot as for any client
+  that left.
+- **a bounded number of connections**: at `max_connections`, a new connection closes the
+  longest-idle one (no request in progress: between requests, or still sending headers); when
+  none is idle it is refused.
+
+The body of a request is bounded by the application (services/router/app.py, `--body-timeout`,
+`--max-body-reads`), which knows when it has read it; a stream's per-client buffer likewise
+(services/router/fanout.py). Both reach the connection through `CONNECTION_EXTENSION` in the
+ASGI scope, whose `abort()` cuts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+CONNECTION_EXTENSION = "pdmesh.connection"  # scope["extensions"][...]: the request's connection
+_TIMEOUT_RESPONSE = (
+    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+    b"content-length: %d\r\n\r\n%s"
+)
+_TIMEOUT_BODY = (
+    b'{"error":{"message":"The request headers did not arrive in time.","type":"invalid_request_error",'
+    b'"param":null,"code":"request_timeout"}}'
+)
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    header_timeout: float
+    write_timeout: float
+    max_connections: int
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the guards above; `guarded_protocol` binds its limits."""
+
+    limits: ConnectionLimits
+    on_cutoff: Callable[[str], None]  # called with the reason each time a guard cuts a connection
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
+        self._idle_since: float | None = time.monotonic()  # None while a request is in progress
+        self._aborted = False
+
+    # --- connections ----------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        room = self._make_room()
+        super().connection_made(transport)
+        if not room:
+            self._cut("connection_limit")
+            return
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_timers()
+        super().connection_lost(exc)
+
+    def _live(self) -> list[GuardedHttpToolsProtocol]:
+        return [p for p in self.connections
+                if isinstance(p, GuardedHttpToolsProtocol) and not p._aborted and not p.transport.is_closing()]
+
+    def _make_room(self) -> bool:
+        """Whether this new connection may stay: under the limit, or after the longest-idle one went."""
+        if len(self.connections) < self.limits.max_connections:
+            return True
+        live = self._live()
+        if len(live) < self.limits.max_connections:
+            return True
+        idle = [p for p in live if p._idle_since is not None]
+        if not idle:
+            return False
+        min(idle, key=lambda p: p._idle_since)._cut("connection_limit")
+        return True
+
+    def abort(self) -> None:
+        """Cut the connection now, whatever its buffers hold (the request sees a disconnect)."""
+        if not self._aborted:
+            self._aborted = True
+            self._cancel_timers()
+            self.transport.abort()
+
+    def _cut(self, reason: str) -> None:
+        if not self._aborted:
+            self.on_cutoff(reason)
+        self.abort()
+
+    def _cancel_timers(self) -> None:
+        for timer in (self._header_timer, self._write_timer):
+            if timer is not None:
+                timer.cancel()
+        self._header_timer = self._write_timer = None
+
+    # --- headers --------------------------------------------------------------------------------
+
+    def _arm_header_timer(self) -> None:
+        if self._header_timer is None and not self._aborted:
+            self._header_timer = self.loop.call_later(self.limits.header_timeout, self._headers_late)
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if self._aborted or self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            # a further request's headers begun while a response is still going out (pipelined):
+            # no answer can be written now; they are bounded again from here
+            self._arm_header_timer()
+            return
+        self.on_cutoff("header_timeout")
+        # a short answer fits the socket's buffer whatever the client does; then closed as usual
+        self.transport.write(_TIMEOUT_RESPONSE % (len(_TIMEOUT_BODY), _TIMEOUT_BODY))
+        self.transport.close()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.scope["extensions"] = {CONNECTION_EXTENSION: self}
+        self._arm_header_timer()
+
+    def on_headers_complete(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+        self._idle_since = None
+        super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        self._idle_since = time.monotonic()
+        super().on_response_complete()
+
+    # --- writes ---------------------------------------------------------------------------------
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_timer is None and not self._aborted:
+            self._write_timer = self.loop.call_later(self.limits.write_timeout, self._reader_stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _reader_stalled(self) -> None:
+        self._write_timer = None
+        self._cut("write_timeout")
+
+
+def guarded_protocol(limits: ConnectionLimits, on_cutoff: Callable[[str], None]) -> type[HttpToolsProtocol]:
+    """The protocol class to give uvicorn (`uvicorn.Config(http=...)`), bound to these limits."""
+    return type("RouterHttpProtocol", (GuardedHttpToolsProtocol,), {"limits": limits,
+                                                                   "on_cutoff": staticmethod(on_cutoff)})

@@ -127,6 +127,12 @@ ROUTER_FLAGS = [
     Flag("request-timeout", float, 600.0, "seconds after which a request fails with 504"),
     Flag("max-concurrent-requests", int, 256, "requests the router serves at once; beyond it new ones get 429"),
     Flag("max-body-bytes", int, 8 * 1024 * 1024, "largest request body in bytes; larger ones get 413 unparsed"),
+    Flag("max-grammar-bytes", int, 1024 * 1024,
+         "largest grammar one request may carry (a response_format / structured_outputs schema, regex or "
+         "grammar, or the tools' parameter schemas of a forced tool call); larger ones get 400"),
+    Flag("max-request-worker-bytes", int, 16 * 1024 * 1024,
+         "most bytes one request may send the workers, n × (prompt ids + grammar): every choice is a "
+         "call on a worker's lane; more gets 400"),
     Flag("health-check-interval", float, 1.0, "seconds between gRPC health probes of each worker"),
     Flag("health-check-timeout", float, 1.0, "seconds one gRPC health probe may take"),
     Flag("health-failure-threshold", int, 2, "failed probes in a row that eject a worker (one success re-admits)"),

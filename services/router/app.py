@@ -41,6 +41,7 @@ from services.router import errors, openapi
 from services.router.errors import APIError
 from services.router.fanout import FanIn, PrefillShare, Single
 from services.router.fastpath import RouterApp
+from services.router.limits import RequestLimits
 from services.router.orchestrator import Orchestrator, new_room
 from services.router.output import TokenStrings
 from services.router.pool import WorkerPool
@@ -83,6 +84,8 @@ class RouterSettings:
     request_timeout: float = 600.0
     max_concurrent_requests: int = 256
     max_body_bytes: int = 8 * 1024 * 1024
+    max_grammar_bytes: int = 1024 * 1024  # services/router/limits.py
+    max_request_worker_bytes: int = 16 * 1024 * 1024
     health_check_interval: float = 1.0
     health_check_timeout: float = 1.0
     health_failure_threshold: int = 2
@@ -144,7 +147,8 @@ class Router:
         name = served_name(settings.model, settings.served_model_name)
         aliases = frozenset({settings.model, *(BUILTIN_NAMES[1:] if settings.model in BUILTIN_NAMES else ())}) - {""}
         self.info = ModelInfo(name=name, tokenizer=self.tokenizer, context_length=context_length(settings.model),
-                              aliases=aliases, tool_parser=tool_parser(settings.tool_call_parser, self.tokenizer))
+                              aliases=aliases, tool_parser=tool_parser(settings.tool_call_parser, self.tokenizer),
+                              limits=RequestLimits(settings.max_grammar_bytes, settings.max_request_worker_bytes))
         self.token_strings = TokenStrings(self.tokenizer)
         self.shared: SharedState | None = None  # the other router processes' admissions and loads
         self.siblings: SiblingMetrics | None = None  # their /metrics

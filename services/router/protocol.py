@@ -15,6 +15,7 @@ from typing import Any
 
 from services.common.tokenizer import ChatTemplateError, Tokenizer
 from services.router.errors import bad_request, invalid_type, model_not_found
+from services.router.limits import DEFAULT_LIMITS, RequestLimits, check_request_size
 from services.router.structured import structured_output
 from services.router.tools import ToolRequest, check_tool_fields, parse_tools
 
@@ -40,6 +41,7 @@ class ModelInfo:
     context_length: int
     aliases: frozenset[str] = frozenset()  # other accepted spellings, e.g. the --model value
     tool_parser: str | None = None  # the chat template's tool-call format (services/router/tool_parsers.py)
+    limits: RequestLimits = DEFAULT_LIMITS  # what one request may send the workers (services/router/limits.py)
 
 
 @dataclass
@@ -361,7 +363,7 @@ def parse_completion(body: Any, info: ModelInfo) -> GenerateSpec:
     echo = get_bool(body, "echo", False)
     ignore_eos = get_bool(body, "ignore_eos", False)
     skip_special = get_bool(body, "skip_special_tokens", True)
-    kw["grammar"] = structured_output(body, ignore_eos)
+    kw["grammar"] = structured_output(body, ignore_eos, info.limits)
     if echo and logprobs is not None:
         raise bad_request("'echo' together with 'logprobs' is not supported.", param="echo", code="unsupported_value")
     ids, text = completion_prompt(body, info.tokenizer)
@@ -369,6 +371,7 @@ def parse_completion(body: Any, info: ModelInfo) -> GenerateSpec:
         raise bad_request("The prompt must not be empty.", param="prompt", code="invalid_value")
     max_tokens = _max_tokens(body, ("max_tokens",), len(ids), info, COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
     _check_min_tokens(kw, max_tokens)
+    check_request_size(kw["n"], len(ids), kw["grammar"], "n" if kw["n"] > 1 else "prompt", info.limits)
     return GenerateSpec(
         kind="completion",
         model=model,
@@ -466,7 +469,7 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerateSpec:
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
     model = _check_model(body, info)
     _check_unsupported(body)
-    tools = parse_tools(body, info.tool_parser, info.tokenizer)
+    tools = parse_tools(body, info.tool_parser, info.tokenizer, info.limits)
     kw: dict[str, Any] = {}
     _sampling(body, kw)
     _controls(body, info.tokenizer.vocab_size, kw)
@@ -480,7 +483,7 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerateSpec:
         )
     ignore_eos = get_bool(body, "ignore_eos", False)
     skip_special = get_bool(body, "skip_special_tokens", True)
-    kw["grammar"] = structured_output(body, ignore_eos)
+    kw["grammar"] = structured_output(body, ignore_eos, info.limits)
     if tools is not None and tools.grammar is not None:
         if kw["grammar"] is not None:
             raise bad_request("Structured output (response_format, structured_outputs, guided_*) cannot be combined "
@@ -494,6 +497,7 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerateSpec:
     _check_ids(ids, info.tokenizer.vocab_size, "messages")
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), len(ids), info, None, "messages")
     _check_min_tokens(kw, max_tokens)
+    check_request_size(kw["n"], len(ids), kw["grammar"], "n" if kw["n"] > 1 else "messages", info.limits)
     return GenerateSpec(
         kind="chat",
         model=model,

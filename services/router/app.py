@@ -36,11 +36,18 @@ from starlette.requests import ClientDisconnect
 
 from services.common.logging_setup import bound_room, get_logger
 from services.common.metrics import CONTENT_TYPE, Metrics
-from services.common.tokenizer import BUILTIN_NAMES, Tokenizer, load_tokenizer
+from services.common.tokenizer import (
+    BUILTIN_NAMES,
+    BUILTIN_RANDOM,
+    Tokenizer,
+    load_tokenizer,
+    resolve_model_path,
+)
 from services.router import errors, openapi
 from services.router.errors import APIError
 from services.router.fanout import FanIn, PrefillShare, Single
 from services.router.fastpath import RouterApp
+from services.router.grammar_cost import GrammarCost
 from services.router.limits import RequestLimits
 from services.router.orchestrator import Orchestrator, new_room
 from services.router.output import TokenStrings
@@ -86,6 +93,8 @@ class RouterSettings:
     max_body_bytes: int = 8 * 1024 * 1024
     max_grammar_bytes: int = 1024 * 1024  # services/router/limits.py
     max_request_worker_bytes: int = 16 * 1024 * 1024
+    grammar_compile_budget: float = 2.0  # services/router/grammar_cost.py
+    grammar_mask_budget: float = 0.1
     health_check_interval: float = 1.0
     health_check_timeout: float = 1.0
     health_failure_threshold: int = 2
@@ -140,6 +149,18 @@ def tool_parser(flag: str, tokenizer: Tokenizer) -> str | None:
     return detect_tool_parser([tokenizer.tool_chat_template])
 
 
+def grammar_cost(settings: RouterSettings, tokenizer: Tokenizer) -> GrammarCost | None:
+    """The bounded compile of requests' grammars, over the served model's tokenizer; None (grammars
+    then go to the workers unmeasured, which still bound each step) when llguidance cannot read it."""
+    folder = Path(resolve_model_path(settings.model)) if settings.model != BUILTIN_RANDOM else None
+    try:
+        return GrammarCost(tokenizer, folder if folder is not None and folder.is_dir() else None,
+                           settings.grammar_compile_budget, settings.grammar_mask_budget)
+    except Exception:  # noqa: BLE001 - logged; the workers' per-step budget still holds
+        log.exception("grammar cost checks disabled: llguidance could not read the tokenizer")
+        return None
+
+
 class Router:
     def __init__(self, settings: RouterSettings, tokenizer: Tokenizer | None = None):
         self.settings = settings
@@ -150,6 +171,7 @@ class Router:
                               aliases=aliases, tool_parser=tool_parser(settings.tool_call_parser, self.tokenizer),
                               limits=RequestLimits(settings.max_grammar_bytes, settings.max_request_worker_bytes))
         self.token_strings = TokenStrings(self.tokenizer)
+        self.grammar_cost = grammar_cost(settings, self.tokenizer)
         self.shared: SharedState | None = None  # the other router processes' admissions and loads
         self.siblings: SiblingMetrics | None = None  # their /metrics
         label = f"router-{settings.host}-{settings.port}"
@@ -217,6 +239,8 @@ class Router:
                  pool=self.pool.status())
 
     async def close(self) -> None:
+        if self.grammar_cost is not None:
+            self.grammar_cost.close()
         await self.orchestrator.close()
         await self.pool.close()
         if self.siblings is not None:
@@ -270,9 +294,11 @@ class Router:
 
     async def parse(self, kind: str, body: Any, size_hint: int) -> GenerateSpec:
         parse = parse_completion if kind == "completion" else parse_chat
-        if size_hint > PARSE_IN_THREAD_BYTES:
-            return await asyncio.to_thread(parse, body, self.info)
-        return parse(body, self.info)
+        spec = await asyncio.to_thread(parse, body, self.info) if size_hint > PARSE_IN_THREAD_BYTES \
+            else parse(body, self.info)
+        if self.grammar_cost is not None:
+            await self.grammar_cost.check(spec.grammar, spec.grammar_param)
+        return spec
 
     # --- generation -----------------------------------------------------------------------------
 

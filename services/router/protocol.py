@@ -16,7 +16,7 @@ from typing import Any
 from services.common.tokenizer import ChatTemplateError, Tokenizer
 from services.router.errors import bad_request, invalid_type, model_not_found
 from services.router.limits import DEFAULT_LIMITS, RequestLimits, check_request_size
-from services.router.structured import structured_output
+from services.router.structured import structured_output_field
 from services.router.tools import ToolRequest, check_tool_fields, parse_tools
 
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM any. A bound keeps stop matching cheap.
@@ -72,6 +72,7 @@ class GenerateSpec:
     # Structured output (response_format, a forced tool call): (kind, source) as
     # services/common/sampling_params.GRAMMAR_KINDS; the workers constrain every token with it.
     grammar: tuple[str, str] | None = None
+    grammar_param: str = ""  # the request field the grammar came from, for errors about it
     # The reply's tool-call format when it is parsed for calls (tools given, tool_choice not none).
     tool_parser: str | None = None
 
@@ -347,6 +348,11 @@ def completion_prompt(body: dict, tokenizer: Tokenizer) -> tuple[list[int], str]
     raise invalid_type("prompt", "a string, an array of token ids, or an array of one of those", prompt)
 
 
+def _grammar(body: dict, ignore_eos: bool, limits: RequestLimits, kw: dict) -> None:
+    found = structured_output_field(body, ignore_eos, limits)
+    kw["grammar"], kw["grammar_param"] = (found[1], found[0]) if found is not None else (None, "")
+
+
 def parse_completion(body: Any, info: ModelInfo) -> GenerateSpec:
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
@@ -363,7 +369,7 @@ def parse_completion(body: Any, info: ModelInfo) -> GenerateSpec:
     echo = get_bool(body, "echo", False)
     ignore_eos = get_bool(body, "ignore_eos", False)
     skip_special = get_bool(body, "skip_special_tokens", True)
-    kw["grammar"] = structured_output(body, ignore_eos, info.limits)
+    _grammar(body, ignore_eos, info.limits, kw)
     if echo and logprobs is not None:
         raise bad_request("'echo' together with 'logprobs' is not supported.", param="echo", code="unsupported_value")
     ids, text = completion_prompt(body, info.tokenizer)
@@ -483,7 +489,7 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerateSpec:
         )
     ignore_eos = get_bool(body, "ignore_eos", False)
     skip_special = get_bool(body, "skip_special_tokens", True)
-    kw["grammar"] = structured_output(body, ignore_eos, info.limits)
+    _grammar(body, ignore_eos, info.limits, kw)
     if tools is not None and tools.grammar is not None:
         if kw["grammar"] is not None:
             raise bad_request("Structured output (response_format, structured_outputs, guided_*) cannot be combined "
@@ -492,7 +498,7 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerateSpec:
         if ignore_eos:
             raise bad_request("'ignore_eos' cannot be combined with a forced tool call: the grammar ends the output.",
                               param="ignore_eos", code="unsupported_value")
-        kw["grammar"] = tools.grammar
+        kw["grammar"], kw["grammar_param"] = tools.grammar, "tools"
     ids = chat_prompt(body, info.tokenizer, tools)
     _check_ids(ids, info.tokenizer.vocab_size, "messages")
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), len(ids), info, None, "messages")

@@ -72,6 +72,13 @@ def _extra(kind: str, value: Any, param: str) -> tuple[str, str]:
 
 def structured_output(body: dict, ignore_eos: bool, limits: RequestLimits = DEFAULT_LIMITS) -> tuple[str, str] | None:
     """The request's grammar as (kind, source), or None. Raises APIError (400)."""
+    found = structured_output_field(body, ignore_eos, limits)
+    return found[1] if found is not None else None
+
+
+def structured_output_field(body: dict, ignore_eos: bool,
+                            limits: RequestLimits = DEFAULT_LIMITS) -> tuple[str, tuple[str, str]] | None:
+    """The field that carries the request's grammar and the grammar, or None. Raises APIError (400)."""
     found: list[tuple[str, tuple[str, str]]] = []
     if body.get("response_format") is not None:
         grammar = _response_format(body["response_format"])
@@ -103,4 +110,4 @@ def structured_output(body: dict, ignore_eos: bool, limits: RequestLimits = DEFA
     why = validate(kind, source)
     if why:
         raise bad_request(f"Invalid '{param}': {why.strip()}", param=param, code="invalid_value")
-    return kind, source
+    return param, (kind, source)

@@ -468,7 +468,8 @@ class _Run:
         try:
             await run_until_disconnect(self._collect(), request.receive)
             status, error = 200, None
-            return JSONResponse(self.state.body(self.states), headers={"X-Request-Id": f"{self.request_id:016x}"})
+            body = await self.state.body_json(self.states)
+            return Response(body, media_type="application/json", headers={"X-Request-Id": f"{self.request_id:016x}"})
         except APIError as e:
             status, error = e.status, e.message
             return error_json(e, self.request_id)

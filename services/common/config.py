@@ -81,6 +81,9 @@ WORKER_FLAGS = [
          "--internal-token; neither set: no authentication"),
     Flag("internal-token", str, "",
          "the shared secret itself; give it through the env twin (a flag shows in the process list)"),
+    Flag("allow-insecure-bind", bool, False,
+         "start even when --host is not a loopback address and no internal token is set (anyone who reaches "
+         "the port may then use the worker); without it such a worker refuses to start"),
 ]
 
 PREFILL_FLAGS = [

@@ -648,6 +648,8 @@ def create_app(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> 
     async def health() -> Response:
         ok = router.pool.has_healthy_pair()
         body = {"status": "ok" if ok else "unavailable", "running_requests": router.active, **router.pool.status()}
+        if not ok:
+            body["reason"] = router.pool.unavailable_reason()
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")

@@ -92,3 +92,35 @@ def test_one_call_too_big_for_any_message_fails_alone():
         assert ps.lane.opened == 1
 
     _run(fn, max_message_bytes=100_000)
+
+
+def test_a_reply_too_big_for_any_message_ends_its_call_alone_on_the_worker():
+    from services.common.lane_server import _LaneStream
+
+    class Context:
+        def __init__(self):
+            self.messages: list[wpb.LaneDown] = []
+
+        async def write(self, msg):
+            self.messages.append(msg)
+
+    async def main():
+        ctx = Context()
+        lane = _LaneStream(servicer=None, context=ctx, max_message_bytes=10_000)
+        writer = asyncio.ensure_future(lane.write_loop())
+        big = wpb.LaneReply(call=1, chunk=wpb.DecodeChunk(token_ids=list(range(100, 20_000))))
+        small = [wpb.LaneReply(call=c, chunk=wpb.DecodeChunk(token_ids=[c] * 1500)) for c in range(2, 12)]
+        done = lane.emit(big)
+        for reply in small:
+            lane.emit(reply)
+        await asyncio.wait_for(asyncio.shield(done), 5)
+        writer.cancel()
+        return ctx.messages
+
+    messages = asyncio.run(main())
+    assert len(messages) > 1 and all(m.ByteSize() <= 10_000 for m in messages)
+    replies = [r for m in messages for r in m.replies]
+    assert [r.call for r in replies] == list(range(1, 12))
+    assert replies[0].WhichOneof("msg") == "end"
+    assert replies[0].end.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert all(r.WhichOneof("msg") == "chunk" for r in replies[1:])

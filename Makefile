@@ -40,10 +40,13 @@ run: venv proto
 	set -a && . ./$(ENV_FILE) && set +a && exec $(PY) -m services.mesh
 
 # tests/compose (containers) runs as its own step, compose-test, which skips with a message when
-# this machine has no container engine.
+# this machine has no container engine. Test files run on TEST_WORKERS processes (pytest-xdist,
+# one file per process at a time, so a module's shared mesh stays in one process): most of an
+# integration test's time is spent waiting on deadlines, not computing. TEST_WORKERS=0 runs serially.
+TEST_WORKERS ?= 2
 test: venv-dev proto
 	@scripts/ensure_test_tools.sh
-	$(PY) -m pytest -q tests --ignore=tests/compose
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests --ignore=tests/compose
 	@scripts/compose_test.sh
 
 # pdmesh in containers: build the image, compose up (CPU override), serve, scrape, pause, kill,

@@ -158,6 +158,15 @@ ROUTER_FLAGS = [
          "file holding the shared secret presented on every call to the workers"),
     Flag("internal-token", str, "",
          "the shared secret itself; give it through the env twin (a flag shows in the process list)"),
+    Flag("canary-interval", float, 0.0,
+         "seconds a (prefill, decode) pair may stay idle before the router sends a one-token canary "
+         "request through it (a real attach and KV move); a failed or slow canary marks the pair, a "
+         "passing one clears it; marked pairs are re-tested every interval (0: no canary; "
+         "deploy/pdmesh.env and the Kubernetes manifests set 30)"),
+    Flag("canary-timeout", float, 10.0, "seconds one canary request may take before it counts as failed"),
+    Flag("pair-hold", float, 30.0,
+         "seconds a (prefill, decode) pair whose KV path failed stays avoided after its latest failure, "
+         "when no canary clears it sooner (0: until a canary or a request on it passes)"),
     Flag("dns-refresh-interval", float, 5.0,
          "seconds between re-resolving worker names (a headless Service name stands for all its pods)"),
     Flag("worker-lane", bool, True,

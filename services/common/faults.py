@@ -6,6 +6,8 @@ is logged loudly at start so nobody runs a faulty worker by accident.
   stall_transfer          prefill never posts the KV WRITE (the room sits in inflight)
   drop_notification       prefill posts the WRITE without its notification
   fail_attach             prefill refuses every Attach
+  fail_attach_from=NAME   prefill refuses the Attach of each decode whose worker id contains NAME
+                          (one broken prefill-decode pair while both workers stay healthy)
   sigstop_after_attach    decode freezes itself (SIGSTOP) right after its first attach
   delay_forward=SECONDS   every forward sleeps this long first (engine thread, either worker)
   fail_forward[=P]        every forward raises (bare), or each with probability P, drawn from
@@ -30,6 +32,7 @@ KNOWN: dict[str, tuple[type, object]] = {
     "stall_transfer": (bool, True),
     "drop_notification": (bool, True),
     "fail_attach": (bool, True),
+    "fail_attach_from": (str, None),
     "sigstop_after_attach": (bool, True),
     "delay_forward": (float, None),
     "fail_forward": (float, 1.0),
@@ -48,6 +51,7 @@ class Faults:
     stall_transfer: bool = False
     drop_notification: bool = False
     fail_attach: bool = False
+    fail_attach_from: str = ""
     sigstop_after_attach: bool = False
     delay_forward: float = 0.0
     fail_forward: float = 0.0  # probability that one forward raises

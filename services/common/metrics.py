@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 PREFIX = "pdmesh:"
@@ -92,6 +93,17 @@ class Metrics:
         if engine_type == "router":  # at 0 from the start, so a first migration shows up as a rise
             for reason in ROUTER_MIGRATION_REASONS:
                 self.router_migrations.labels(**self.labels, reason=reason)
+        # (prefill, decode) pairs (services/router/pair_health.py) and the canary that tests them
+        self.router_pair_failures = counter(
+            "router_pair_failures_total",
+            "attempts whose KV path failed between this prefill and decode while both stayed healthy",
+            ("prefill", "decode"),
+        )
+        self.canary_requests = counter(
+            "canary_requests_total", "canary requests through a (prefill, decode) pair, by result (pass, fail)",
+            ("prefill", "decode", "result"),
+        )
+        self.canary_latency = histogram("canary_latency_seconds", "time a passing canary took, end to end")
         self.worker_healthy = Gauge(
             PREFIX + "worker_healthy", "1 if the router considers the worker healthy", LABELS + ("target",), registry=r
         )
@@ -101,6 +113,22 @@ class Metrics:
         self.kv_transfer_latency = histogram("kv_transfer_latency_seconds", "KV transfer time (post to done)")
         self.kv_transfer_bytes = histogram("kv_transfer_bytes", "bytes of KV sent per request", BYTES_BUCKETS)
         self.event_loop_lag = histogram("event_loop_lag_seconds", "asyncio event loop scheduling lag")
+
+    def pairs_from(self, fn: Callable[[], list[tuple[str, str]]]) -> None:
+        """`pdmesh:router_pair_marked{prefill,decode}` = 1 for each pair fn() lists, read at scrape
+        time (a mark may expire between scrapes)."""
+        labels = self.labels
+
+        class Marked:
+            def collect(self):
+                family = GaugeMetricFamily(PREFIX + "router_pair_marked",
+                                           "1 for each (prefill, decode) pair the router avoids: its KV path failed",
+                                           labels=[*LABELS, "prefill", "decode"])
+                for prefill, decode in fn():
+                    family.add_metric([*labels.values(), prefill, decode], 1)
+                yield family
+
+        self.registry.register(Marked())
 
     # helpers that apply this process's labels
     def gauge_from(self, name: str, fn: Callable[[], float]) -> None:

@@ -105,6 +105,7 @@ class Job:
     output: list[int] = field(default_factory=list)
     prefilled: int = 0  # prompt tokens whose KV a local prefill computed (colocated jobs)
     last_token_at: float | None = None
+    canary: bool = False  # the router's canary: served as any job, left out of the request metrics
 
     @property
     def finished(self) -> bool:

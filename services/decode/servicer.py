@@ -51,7 +51,7 @@ class DecodeServicer(LaneServicerMixin, wpb_grpc.DecodeServicer):
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             try:
-                job = self.worker.submit(room, ids, params, request.prefill_addr)
+                job = self.worker.submit(room, ids, params, request.prefill_addr, request.canary)
             except DuplicateRoom as e:
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
             log.info("decode request", prompt_tokens=len(ids), prefill=request.prefill_addr or "colocated")

@@ -85,16 +85,18 @@ class DecodeWorker:
         return job in self.scheduler.in_forward
 
     # --- requests --------------------------------------------------------------------------
-    def submit(self, room: int, token_ids: list[int], params: SamplingParams, prefill_addr: str) -> Job:
+    def submit(self, room: int, token_ids: list[int], params: SamplingParams, prefill_addr: str,
+               canary: bool = False) -> Job:
         """Register a Decode RPC's room (raises DuplicateRoom); it enters the prealloc queue.
         prefill_addr "" : colocated, decode computes the prompt itself (no receiver room)."""
         if room in self.jobs:
             raise DuplicateRoom(f"room {room} already exists")
-        job = Job(room, token_ids, params, prefill_addr, next(self._seq), asyncio.Queue())
+        job = Job(room, token_ids, params, prefill_addr, next(self._seq), asyncio.Queue(), canary=canary)
         if not job.colocated:
             self.receiver.create_room(room, prefill_addr)
         self.jobs[room] = job
-        self.metrics.inc(self.metrics.num_requests)
+        if not canary:
+            self.metrics.inc(self.metrics.num_requests)
         self.admission.wake()
         return job
 
@@ -144,7 +146,7 @@ class DecodeWorker:
             job.out.put_nowait(failure)
             if not job.colocated:
                 self.receiver.fail(job.room, failure.reason)  # no-op once the KV has arrived
-        else:
+        elif not job.canary:
             self.metrics.observe(self.metrics.e2e_request_latency, time.monotonic() - job.created_at)
         if job not in self.admission.attaching and job not in self.scheduler.in_forward:
             self.release(job)
@@ -194,13 +196,14 @@ class DecodeWorker:
 
     def emit(self, job: Job, token: int, logprob: float, top: list[tuple[int, float]] | None = None) -> None:
         now = time.monotonic()
-        if job.last_token_at is None:
-            self.metrics.observe(self.metrics.time_to_first_token, now - job.created_at)
-        else:
-            self.metrics.observe(self.metrics.inter_token_latency, now - job.last_token_at)
+        if not job.canary:
+            if job.last_token_at is None:
+                self.metrics.observe(self.metrics.time_to_first_token, now - job.created_at)
+            else:
+                self.metrics.observe(self.metrics.inter_token_latency, now - job.last_token_at)
+            self.metrics.inc(self.metrics.generation_tokens)
         job.last_token_at = now
         job.output.append(token)
-        self.metrics.inc(self.metrics.generation_tokens)
         finish = ""
         if is_stop(token, job.params, self.engine.config.eos_token_ids):
             finish = "stop"

@@ -64,6 +64,7 @@ class Job:
     first_logprob: float = 0.0
     first_top: list[tuple[int, float]] | None = None  # top_logprobs alternatives of the first token
     share_key: int = 0  # n > 1: jobs of one key compute their common prompt once (sharing.py)
+    canary: bool = False  # the router's canary: served as any job, left out of the request metrics
     # a leader's last-position logits (an engine tensor) once its prompt is computed, kept until
     # it ends so that followers of its key can sample their first token from them
     last_logits: object | None = None

@@ -41,6 +41,7 @@ async def serve(argv=None) -> None:
         stall_before_post=math.inf if faults.stall_transfer else 0.0,
         drop_notification=faults.drop_notification,
         refuse_attach=faults.fail_attach,
+        refuse_attach_from=faults.fail_attach_from,
     )
     metrics = Metrics("prefill", engine.model_name, worker_id)
     worker = PrefillWorker(engine, sender, metrics, faults, args.chunked_prefill_size)

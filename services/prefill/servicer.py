@@ -35,7 +35,7 @@ class PrefillServicer(LaneServicerMixin, wpb_grpc.PrefillServicer):
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             try:
-                job = self.worker.submit(room, ids, params, request.share_key)
+                job = self.worker.submit(room, ids, params, request.share_key, request.canary)
             except DuplicateRoom as e:
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
             log.info("prefill request", prompt_tokens=len(ids))

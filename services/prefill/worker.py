@@ -90,13 +90,15 @@ class PrefillWorker:
         return [j.room for j in self._forward]
 
     # --- requests --------------------------------------------------------------------------
-    def submit(self, room: int, token_ids: list[int], params: SamplingParams, share_key: int = 0) -> Job:
+    def submit(self, room: int, token_ids: list[int], params: SamplingParams, share_key: int = 0,
+               canary: bool = False) -> Job:
         """Register a Prefill RPC's room (raises DuplicateRoom). Attach may already be parked."""
         job = Job(room, token_ids, params, next(self._seq), asyncio.get_running_loop().create_future(),
-                  share_key=share_key)
+                  share_key=share_key, canary=canary)
         self.sender.create_room(room)
         self.jobs[room] = job
-        self.metrics.inc(self.metrics.num_requests)
+        if not canary:
+            self.metrics.inc(self.metrics.num_requests)
         self.kick()
         return job
 
@@ -270,10 +272,12 @@ class PrefillWorker:
         """A job's forward (a chunk, or a copy when chunk is None) succeeded: count it, and send
         the KV once the whole prompt is there."""
         if chunk is None:
-            self.metrics.inc(self.metrics.shared_prompt_tokens, len(job.token_ids))
+            if not job.canary:
+                self.metrics.inc(self.metrics.shared_prompt_tokens, len(job.token_ids))
             job.prefilled = len(job.token_ids)
         else:
-            self.metrics.inc(self.metrics.prompt_tokens, chunk)
+            if not job.canary:
+                self.metrics.inc(self.metrics.prompt_tokens, chunk)
             job.prefilled += chunk
         if first is None:
             job.phase = Phase.QUEUED

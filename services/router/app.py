@@ -44,6 +44,7 @@ from services.common.tokenizer import (
     resolve_model_path,
 )
 from services.router import errors, openapi
+from services.router.canary import Canary
 from services.router.errors import APIError
 from services.router.fanout import FanIn, PrefillShare, Single
 from services.router.fastpath import RouterApp
@@ -101,6 +102,9 @@ class RouterSettings:
     max_migrations: int = 2
     stream_stall_timeout: float = 30.0
     dns_refresh_interval: float = 5.0
+    canary_interval: float = 0.0  # services/router/canary.py
+    canary_timeout: float = 10.0
+    pair_hold: float = 30.0  # services/router/pair_health.py
     worker_lane: bool = True  # services/router/lane.py
     processes: int = 1  # services/router/processes.py
     process_index: int = 0  # this process's place among them (set by the supervisor, not a flag)
@@ -199,6 +203,7 @@ class Router:
             dns_refresh_interval=settings.dns_refresh_interval,
             lane=settings.worker_lane,
             shared=self.shared,
+            pair_hold=settings.pair_hold,
         )
         if self.shared is not None:
             self.siblings = SiblingMetrics(settings.shared_dir, settings.processes, settings.process_index,
@@ -206,6 +211,10 @@ class Router:
         self.orchestrator = Orchestrator(self.pool, self.tokenizer.eos_token_ids,
                                          max_migrations=settings.max_migrations,
                                          stall_timeout=settings.stream_stall_timeout, metrics=self.metrics)
+        self.metrics.pairs_from(lambda: [(p.addr, d.addr) for p, d in self.pool.pairs.marks()])
+        self.canary = Canary(self.pool, self.orchestrator.reap, self.tokenizer.encode("pdmesh canary"),
+                             settings.canary_interval if settings.mode == "pd" else 0.0, settings.canary_timeout,
+                             self.metrics, new_room)
         self.created = int(time.time())
 
     @property
@@ -234,6 +243,7 @@ class Router:
         if self.siblings is not None:
             await self.siblings.start()
         await self.pool.start()
+        self.canary.start()
         log.info("worker pool probed", model=self.info.name, context_length=self.info.context_length,
                  prefill=self.settings.prefill, decode=self.settings.decode, policy=self.settings.policy,
                  pool=self.pool.status())
@@ -241,6 +251,7 @@ class Router:
     async def close(self) -> None:
         if self.grammar_cost is not None:
             self.grammar_cost.close()
+        await self.canary.close()
         await self.orchestrator.close()
         await self.pool.close()
         if self.siblings is not None:

@@ -104,6 +104,7 @@ class Attempt:
         deadline: float,
         stall_timeout: float,
         share_key: int = 0,
+        canary: bool = False,
     ):
         self.pool, self._reap = pool, reap
         self.prefill, self.decode, self.room = prefill, decode, room
@@ -112,11 +113,12 @@ class Attempt:
         loop = asyncio.get_running_loop()
         timeout = max(0.001, deadline - loop.time())
         self._prefill_call = None if prefill is None else prefill.stub.Prefill(
-            wpb.PrefillRequest(room=room, token_ids=ids, params=params, share_key=share_key), timeout=timeout
+            wpb.PrefillRequest(room=room, token_ids=ids, params=params, share_key=share_key, canary=canary),
+            timeout=timeout
         )
         self._decode_call = decode.stub.Decode(
             wpb.DecodeRequest(room=room, prefill_addr=prefill.addr if prefill else "", token_ids=ids, params=params,
-                              colocated=prefill is None),
+                              colocated=prefill is None, canary=canary),
             timeout=timeout,
         )
         self._prefill_task = asyncio.ensure_future(self._run_prefill())

@@ -43,6 +43,9 @@ def main(argv=None) -> None:
         log.error("--max-grammar-bytes, --max-request-worker-bytes, --grammar-compile-budget and "
                   "--grammar-mask-budget must be positive")
         sys.exit(2)
+    if args.canary_interval < 0 or args.canary_timeout <= 0 or args.pair_hold < 0:
+        log.error("--canary-interval and --pair-hold must be 0 or more and --canary-timeout positive")
+        sys.exit(2)
     if args.max_migrations < 0 or args.stream_stall_timeout <= 0:
         log.error("--max-migrations must be 0 or more and --stream-stall-timeout positive")
         sys.exit(2)

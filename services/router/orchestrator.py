@@ -40,6 +40,7 @@ from services.common.wire import params_to_pb
 from services.router.attempt import Attempt, Chunk, WorkerFailure
 from services.router.errors import APIError, bad_request, deadline_exceeded, upstream_failed
 from services.router.migration import Progress, migration_reason
+from services.router.pair_health import pair_failure
 from services.router.pool import Worker, WorkerPool
 from services.router.protocol import GenerateSpec
 
@@ -226,6 +227,9 @@ class Orchestrator:
                         completed = bool(chunk.finish_reason)
                         yield chunk
                         if completed:
+                            if prefill is not None and self.pool.pairs.clear(prefill, decode):
+                                log.info("worker pair served a request again; mark cleared",
+                                         prefill=prefill.addr, decode=decode.addr)
                             return
                 except WorkerFailure as failure:
                     attempt.close()
@@ -239,6 +243,7 @@ class Orchestrator:
                         exclude.add(failure.worker)
                         continue
                     error, retryable = self._error(failure, deadline, timeout)
+                    self._judge_pair(failure, prefill, decode, produced, deadline)
                     if produced:
                         migrations += 1
                         retryable = retryable and migrations <= self.max_migrations
@@ -260,6 +265,19 @@ class Orchestrator:
         finally:
             if attempt is not None:
                 attempt.close(completed)
+
+    def _judge_pair(self, failure: WorkerFailure, prefill: Worker | None, decode: Worker, produced: bool,
+                    deadline: float) -> None:
+        """Mark the pair when the attempt's KV path failed while both workers may still be fine;
+        if one of them is really gone, its ejection drops the mark again (pool._mark)."""
+        at_deadline = asyncio.get_running_loop().time() >= deadline - DEADLINE_SLACK
+        if prefill is None or not pair_failure(failure.code, failure.kind, produced, at_deadline):
+            return
+        if self.pool.pairs.mark(prefill, decode, str(failure)[:200]):
+            log.warning("worker pair marked: its KV path failed; routing avoids it while others serve",
+                        prefill=prefill.addr, decode=decode.addr, error=str(failure)[:300])
+        if self.metrics is not None:
+            self.metrics.inc(self.metrics.router_pair_failures, prefill=prefill.addr, decode=decode.addr)
 
     def _log_migration(self, failure: WorkerFailure, room: int, number: int, migrations: int,
                        progress: Progress) -> None:

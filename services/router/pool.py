@@ -21,6 +21,11 @@
   (restarted, or SIGCONT after a freeze) serves the very next request.
 - Attempts subscribe to ejections (`watch`): the moment the pool ejects a worker, every attempt
   running on it hears of it and ends, instead of waiting on a worker known to be unhealthy.
+- Beside each worker's health, `pairs` keeps a mark per (prefill, decode) pair whose KV path
+  failed while both workers stayed healthy (services/router/pair_health.py): `choose_pair`
+  avoids marked pairs while an unmarked healthy one exists, so a prefill that cannot reach one
+  decode keeps serving through the others. A worker's marks go when it is ejected, admitted
+  again or leaves the pool.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from services.common.metrics import Metrics
 from services.router.discovery import Resolver, resolve_specs, split_host_port, system_resolver
 from services.router.errors import no_healthy_workers
 from services.router.lane import LaneStub
+from services.router.pair_health import PairHealth
 from services.router.policy import make_policy
 from services.router.shared_state import MAX_WORKERS, PeerView, SharedState, worker_key
 
@@ -107,7 +113,9 @@ class WorkerPool:
         colocated: bool = False,
         lane: bool = True,
         shared: SharedState | None = None,
+        pair_hold: float = 30.0,
     ):
+        self.pairs = PairHealth(hold=pair_hold)  # (prefill, decode) pairs whose KV path failed
         self.shared = shared  # the router's other processes (--processes > 1), read every SHARE_INTERVAL
         self.lane = lane  # Prefill / Decode over each worker's lane (services/router/lane.py)
         self.colocated = colocated  # decode workers only: choose_pair returns (None, decode)
@@ -178,6 +186,7 @@ class WorkerPool:
 
     def _retire(self, w: Worker) -> None:
         w.healthy = False
+        self.pairs.forget(w)
         self._retired.append(w)
         if self.metrics is not None:
             self.metrics.worker_healthy.remove(*self.metrics.labels.values(), w.addr)
@@ -301,6 +310,7 @@ class WorkerPool:
     def _mark(self, w: Worker, healthy: bool, why: str) -> None:
         w.healthy = healthy
         w.last_change = time.time()
+        self.pairs.forget(w)  # its own health rules now; back in the pool (maybe restarted), its pairs start clean
         if not healthy:
             w.ejections += 1
         if healthy:
@@ -371,17 +381,36 @@ class WorkerPool:
         if self.colocated:
             prefill = None
         elif not (prefill is not None and prefill.healthy and prefill not in excluded and prefill in self.prefills):
-            prefill = self._choose("prefill", self.prefills, excluded)
-        decode = self._choose("decode", self.decodes, excluded)
+            prefill = self._policies["prefill"].choose(self._prefills_with_a_good_pair(excluded), load_of)
+        decodes = self._candidates(self.decodes, excluded)
+        decode = self._policies["decode"].choose(decodes, load_of)
+        if prefill is not None and self.pairs.is_marked(prefill, decode):
+            # choose again among the pair's good decodes (not from the start among a shrunken list,
+            # whose round-robin would starve a worker); every pair marked: route anyway
+            good = self.pairs.unmarked(prefill, decodes)
+            if good:
+                decode = self._policies["decode"].choose(good, load_of)
         if prefill is not None:
             prefill.inflight += 1
+            self.pairs.touch(prefill, decode)
         decode.inflight += 1
         return prefill, decode
 
-    def _choose(self, role: str, group: list[Worker], excluded: set[Worker]) -> Worker:
+    @staticmethod
+    def _candidates(group: list[Worker], excluded: set[Worker]) -> list[Worker]:
         healthy = [w for w in group if w.healthy]
-        candidates = [w for w in healthy if w not in excluded] or healthy
-        return self._policies[role].choose(candidates, load_of)
+        return [w for w in healthy if w not in excluded] or healthy
+
+    def _prefills_with_a_good_pair(self, excluded: set[Worker]) -> list[Worker]:
+        """The candidate prefills that have at least one unmarked pair with a candidate decode
+        (all of them when none has: marks steer, they never refuse)."""
+        prefills = self._candidates(self.prefills, excluded)
+        decodes = self._candidates(self.decodes, excluded)
+        return [p for p in prefills if self.pairs.unmarked(p, decodes)] or prefills
+
+    def pairs_status(self) -> list[dict]:
+        return [{"prefill": p.addr, "decode": d.addr, "reason": m.reason, "failures": m.failures}
+                for (p, d), m in self.pairs.marks().items()]
 
     def unavailable_reason(self) -> str:
         """Why no healthy pair exists ("" when one does): each role without a healthy worker, with
@@ -406,4 +435,5 @@ class WorkerPool:
         return {
             "prefill": {w.addr: one(w) for w in self.prefills},
             "decode": {w.addr: one(w) for w in self.decodes},
+            "marked_pairs": self.pairs_status(),
         }

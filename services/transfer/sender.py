@@ -129,6 +129,7 @@ class KVSender:
         stall_before_post: float = 0.0,
         drop_notification: bool = False,
         refuse_attach: bool = False,
+        refuse_attach_from: str = "",
         tombstones: int = 65536,
     ):
         """agent: NixlAgent of this process; pool: KVPool (uses .aux and .aux_allocator).
@@ -148,8 +149,12 @@ class KVSender:
         self.drop_notification = drop_notification
         # TEST-ONLY fault knob: every Attach is refused
         self.refuse_attach = refuse_attach
+        # TEST-ONLY fault knob: the Attach of a decode whose worker id contains this is refused
+        self.refuse_attach_from = refuse_attach_from
         if refuse_attach:
             log.warning("FAULT INJECTION ON: KV sender refuses every attach")
+        if refuse_attach_from:
+            log.warning("FAULT INJECTION ON: KV sender refuses the attach of decodes named %r", refuse_attach_from)
         if drop_notification:
             log.warning("FAULT INJECTION ON: KV sender drops every notification")
         if stall_before_post:
@@ -260,6 +265,8 @@ class KVSender:
                 "FAILED_PRECONDITION",
                 f"agent {agent_name} (epoch {epoch}) is not registered; call RegisterPeer",
             )
+        if self.refuse_attach_from and self.refuse_attach_from in peer.worker_id:
+            raise _reject("fault", "UNAVAILABLE", f"fault injection: fail_attach_from={self.refuse_attach_from}")
         if not dst_pages:
             raise _reject("bad-request", "INVALID_ARGUMENT", "attach without destination pages")
         bad = [p for p in dst_pages if not 0 <= p < peer.layout.num_pages]

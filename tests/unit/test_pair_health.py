@@ -1,0 +1,134 @@
+"""Pair health (services/router/pair_health.py) and how the pool routes around marked pairs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from services.router.pair_health import PairHealth, pair_failure
+from services.router.pool import Worker, WorkerPool
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_mark_lasts_until_cleared_forgotten_or_held_out():
+    clock = Clock()
+    h = PairHealth(hold=30, clock=clock)
+    assert h.mark("p0", "d0", "attach refused") is True
+    assert h.mark("p0", "d0", "again") is False  # renewed, not new
+    assert h.is_marked("p0", "d0") and not h.is_marked("p0", "d1") and not h.is_marked("p1", "d0")
+    assert h.marks()[("p0", "d0")].failures == 2
+    clock.now += 29
+    h.mark("p0", "d0", "still failing")  # a renewal restarts the hold
+    clock.now += 29
+    assert h.is_marked("p0", "d0")
+    clock.now += 1.5
+    assert not h.is_marked("p0", "d0") and h.marks() == {}
+    h.mark("p0", "d0", "x")
+    assert h.clear("p0", "d0") is True and h.clear("p0", "d0") is False
+    h.mark("p0", "d0", "x")
+    h.mark("p1", "d0", "x")
+    h.mark("p1", "d1", "x")
+    h.forget("d0")
+    assert set(h.marks()) == {("p1", "d1")}
+
+
+def test_hold_zero_keeps_a_mark_until_something_clears_it():
+    clock = Clock()
+    h = PairHealth(hold=0, clock=clock)
+    h.mark("p", "d", "x")
+    clock.now += 1e6
+    assert h.is_marked("p", "d")
+
+
+def test_idle_time_counts_from_the_last_use():
+    clock = Clock()
+    h = PairHealth(clock=clock)
+    assert h.idle_for("p", "d", since=90.0) == 10.0
+    h.touch("p", "d")
+    clock.now += 3
+    assert h.idle_for("p", "d", since=0.0) == 3.0
+    h.forget("p")
+    assert h.idle_for("p", "d", since=50.0) == 53.0
+
+
+@pytest.mark.parametrize(("code", "kind", "produced", "at_deadline", "expected"), [
+    (grpc.StatusCode.UNAVAILABLE, "error", False, False, True),  # attach refused / peer unreachable
+    (grpc.StatusCode.DEADLINE_EXCEEDED, "error", False, False, True),  # a transfer that timed out
+    (grpc.StatusCode.FAILED_PRECONDITION, "error", False, False, True),  # layouts or versions disagree
+    (grpc.StatusCode.DATA_LOSS, "error", False, False, True),  # KV that arrived wrong
+    (grpc.StatusCode.UNAVAILABLE, "error", True, False, False),  # after the first token: decode's own
+    (grpc.StatusCode.DEADLINE_EXCEEDED, "error", False, True, False),  # the request's own deadline
+    (grpc.StatusCode.INVALID_ARGUMENT, "error", False, False, False),
+    (grpc.StatusCode.CANCELLED, "error", False, False, False),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "error", False, False, False),
+    (None, "stalled", False, False, False),  # a silent decode: the worker's problem
+    (None, "ejected", False, False, False),
+])
+def test_which_failures_count_against_the_pair(code, kind, produced, at_deadline, expected):
+    assert pair_failure(code, kind, produced, at_deadline) is expected
+
+
+def pool_of(prefills: int, decodes: int) -> WorkerPool:
+    pool = WorkerPool([], [], policy="round_robin", lane=False)
+    pool.prefills = [Worker("prefill", f"p{i}:1", healthy=True) for i in range(prefills)]
+    pool.decodes = [Worker("decode", f"d{i}:1", healthy=True) for i in range(decodes)]
+    return pool
+
+
+def choose(pool: WorkerPool, n: int) -> list[tuple[str, str]]:
+    async def run():
+        out = []
+        for _ in range(n):
+            p, d = await pool.choose_pair()
+            p.inflight -= 1
+            d.inflight -= 1
+            out.append((p.addr, d.addr))
+        return out
+
+    return asyncio.run(run())
+
+
+def test_routing_avoids_a_marked_pair_and_keeps_both_workers_busy():
+    pool = pool_of(2, 2)
+    p0, p1 = pool.prefills
+    d0, d1 = pool.decodes
+    pool.pairs.mark(p0, d0, "attach refused")
+    pairs = choose(pool, 40)
+    assert ("p0:1", "d0:1") not in pairs
+    for worker in ("p0:1", "p1:1", "d0:1", "d1:1"):  # every worker keeps its share of the requests
+        assert sum(worker in pair for pair in pairs) == 20, (worker, pairs)
+
+
+def test_a_prefill_whose_every_pair_is_marked_is_passed_over():
+    pool = pool_of(2, 2)
+    p0 = pool.prefills[0]
+    for d in pool.decodes:
+        pool.pairs.mark(p0, d, "partitioned")
+    assert {p for p, _ in choose(pool, 20)} == {"p1:1"}
+
+
+def test_marks_steer_but_never_refuse():
+    pool = pool_of(1, 1)
+    pool.pairs.mark(pool.prefills[0], pool.decodes[0], "x")
+    assert choose(pool, 3) == [("p0:1", "d0:1")] * 3
+
+
+def test_an_ejection_or_readmission_forgets_the_workers_pairs():
+    pool = pool_of(2, 2)
+    p0 = pool.prefills[0]
+    pool.pairs.mark(p0, pool.decodes[0], "x")
+    pool.pairs.mark(pool.prefills[1], pool.decodes[1], "x")
+    pool._mark(p0, False, "probe failed")
+    assert set(pool.pairs.marks()) == {(pool.prefills[1], pool.decodes[1])}
+    pool.pairs.mark(p0, pool.decodes[1], "x")
+    pool._mark(p0, True, "probe succeeded")
+    assert set(pool.pairs.marks()) == {(pool.prefills[1], pool.decodes[1])}

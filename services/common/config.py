@@ -62,6 +62,9 @@ WORKER_FLAGS = [
          "off: prefill sends none and decode checks none"),
     Flag("forward-timeout", float, 300.0,
          "seconds one forward (one chunk, not a whole prompt) may run before its rooms fail and the worker turns NOT_SERVING"),
+    Flag("grammar-step-budget", float, 0.2,
+         "seconds of CPU one request's grammar may take to compute one token's mask (decode and colocated "
+         "prompts); past it that request alone fails (INVALID_ARGUMENT) and the batch goes on; 0: no budget"),
     Flag("faults", str, "", "fault injection spec, e.g. 'delay_forward=5,stall_transfer' (off by default)"),
     Flag("log-level", str, "info", "debug, info, warning or error"),
     Flag("log-format", str, "auto",
@@ -85,6 +88,9 @@ WORKER_FLAGS = [
          "--internal-token; neither set: no authentication"),
     Flag("internal-token", str, "",
          "the shared secret itself; give it through the env twin (a flag shows in the process list)"),
+    Flag("allow-insecure-bind", bool, False,
+         "start even when --host is not a loopback address and no internal token is set (anyone who reaches "
+         "the port may then use the worker); without it such a worker refuses to start"),
 ]
 
 PREFILL_FLAGS = [
@@ -154,6 +160,18 @@ ROUTER_FLAGS = [
     Flag("max-connections", int, 4096,
          "open client connections (per router process); at the limit a new one closes the longest-idle one (between requests "
          "or still sending headers), or is refused when none is idle"),
+    Flag("max-grammar-bytes", int, 1024 * 1024,
+         "largest grammar one request may carry (a response_format / structured_outputs schema, regex or "
+         "grammar, or the tools' parameter schemas of a forced tool call); larger ones get 400"),
+    Flag("max-request-worker-bytes", int, 16 * 1024 * 1024,
+         "most bytes one request may send the workers, n × (prompt ids + grammar): every choice is a "
+         "call on a worker's lane; more gets 400"),
+    Flag("grammar-compile-budget", float, 2.0,
+         "seconds of CPU compiling a request's grammar over the model's tokenizer may take before the request "
+         "gets 400 (measured on a router thread, once per distinct grammar)"),
+    Flag("grammar-mask-budget", float, 0.1,
+         "seconds of CPU a request's grammar may take for its first token's mask before the request gets 400 "
+         "(a short regex like ((a{60}){60}){60} costs a second per token on every worker)"),
     Flag("health-check-interval", float, 1.0, "seconds between gRPC health probes of each worker"),
     Flag("health-check-timeout", float, 1.0, "seconds one gRPC health probe may take"),
     Flag("health-failure-threshold", int, 2, "failed probes in a row that eject a worker (one success re-admits)"),

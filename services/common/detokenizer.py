@@ -5,6 +5,12 @@ several byte tokens, and sentencepiece-style decoders drop the leading space of 
 token they see. So each step decodes a short window of recent tokens twice, once without and
 once with the new tokens, and emits the difference; text is held back while it ends in an
 incomplete character (U+FFFD). This is the prefix/read-offset scheme vLLM and TGI use.
+
+Per-token work is O(1): the window never holds more than MAX_PENDING_TOKENS unemitted ids. A
+character is at most 4 bytes, so ids that still end in U+FFFD after that many never complete one
+(a token that decodes to U+FFFD alone, an invalid byte): their text is emitted as it is. Ids that
+add no text at all (skipped special tokens) leave the window the same way. Without the bound each
+such id would re-decode every id before it: quadratic in the output's length.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded as context before the first generated token, so its leading space is
 # kept as it would be mid-sentence. A few tokens are enough for every decoder we know of.
 PROMPT_CONTEXT_TOKENS = 5
+# Unemitted ids the window may hold: a UTF-8 character is at most 4 bytes (so 4 byte tokens)
+MAX_PENDING_TOKENS = 6
 
 
 class IncrementalDetokenizer:
@@ -51,9 +59,13 @@ class IncrementalDetokenizer:
     def _emit(self, final: bool) -> str:
         context_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         window_text = self._decode(self._ids[self._prefix_offset :])
+        stuck = len(self._ids) - self._read_offset >= MAX_PENDING_TOKENS
         if len(window_text) <= len(context_text):
+            if stuck:  # ids that add no text: keep a little context, drop the rest
+                del self._ids[: max(0, len(self._ids) - PROMPT_CONTEXT_TOKENS)]
+                self._prefix_offset, self._read_offset = 0, len(self._ids)
             return ""  # e.g. a skipped special token, or bytes that do not form a character yet
-        if window_text.endswith(REPLACEMENT_CHAR) and not final:
+        if window_text.endswith(REPLACEMENT_CHAR) and not final and not stuck:
             return ""  # wait for the rest of the character
         new_text = window_text[len(context_text) :]
         # The newly emitted tokens become the context of the next step; older ids are no longer needed.

@@ -26,6 +26,7 @@ import contextlib
 import grpc
 
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
+from services.common.lane_batches import LANE_MESSAGE_BYTES, batches, entry_bytes
 from services.common.logging_setup import get_logger
 
 log = get_logger("lane")
@@ -69,8 +70,9 @@ def _end(call: int, code: grpc.StatusCode, details: str = "") -> wpb.LaneReply:
 class _LaneStream:
     """One open Lane stream: its calls' tasks and the batch of replies waiting to be written."""
 
-    def __init__(self, servicer, context) -> None:
+    def __init__(self, servicer, context, max_message_bytes: int = LANE_MESSAGE_BYTES) -> None:
         self.servicer, self.context = servicer, context
+        self.max_message_bytes = max_message_bytes  # one lane message never exceeds it (lane_batches.py)
         self.loop = asyncio.get_running_loop()
         self.tasks: dict[int, asyncio.Task] = {}
         self.out: list[wpb.LaneReply] = []
@@ -93,11 +95,29 @@ class _LaneStream:
             out, self.writing = self.out, self.batch
             self.out, self.batch = [], None
             try:
-                await self.context.write(wpb.LaneDown(replies=out))
+                out, sizes = self._fitting(out)
+                for group in batches(out, sizes, self.max_message_bytes):
+                    await self.context.write(wpb.LaneDown(replies=group))
             finally:
                 if self.writing is not None and not self.writing.done():
                     self.writing.set_result(None)
                 self.writing = None
+
+    def _fitting(self, out: list[wpb.LaneReply]) -> tuple[list[wpb.LaneReply], list[int]]:
+        """The replies with their sizes; one too big for any message becomes its call's end
+        (RESOURCE_EXHAUSTED) and the call is cancelled, so the stream and its other calls go on."""
+        sizes = [entry_bytes(r) for r in out]
+        for i, size in enumerate(sizes):
+            if size > self.max_message_bytes:
+                call = out[i].call
+                log.warning("lane reply over the message limit", call=call, bytes=size, limit=self.max_message_bytes)
+                task = self.tasks.get(call)
+                if task is not None:
+                    task.cancel()
+                out[i] = _end(call, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"the reply is {size} bytes, over the lane's message limit of {self.max_message_bytes} bytes")
+                sizes[i] = entry_bytes(out[i])
+        return out, sizes
 
     def start(self, entry: wpb.LaneCall) -> None:
         op = entry.WhichOneof("op")

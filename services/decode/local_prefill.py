@@ -49,9 +49,12 @@ async def run_chunks(scheduler, batch: list[tuple[Job, int]]) -> None:
 
     result = await scheduler._forward([j for j, _ in batch], forward)
     sampled = {} if isinstance(result, Exception) else dict(zip(finals, zip(*result, strict=True), strict=True))
+    overruns = scheduler.grammar_overruns()
     for i, (job, n) in enumerate(batch):
         if job.finished:  # aborted or evicted mid-forward: its release waited for the forward
             worker.release(job)
+        elif job.room in overruns:
+            scheduler.fail_overrun(job, overruns[job.room])
         elif isinstance(result, Exception):
             worker.fail(job, f"local prefill failed: {type(result).__name__}: {result}", "INTERNAL")
         else:

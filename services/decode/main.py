@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+from services.common.bind_guard import refuse_insecure_bind
 from services.common.config import DecodeSettings, parse_settings
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.grpc_server import configure_internal_token
@@ -25,11 +26,12 @@ DESCRIPTION = "pdmesh decode worker: receives prompts' KV from prefill over NIXL
 async def serve(argv=None) -> None:
     args = parse_settings(DecodeSettings, "python -m services.decode", DESCRIPTION, argv)
     worker_id, faults = start_worker_process("decode", args)
-    configure_internal_token(args.internal_token_file, args.internal_token)
+    has_token = configure_internal_token(args.internal_token_file, args.internal_token)
+    refuse_insecure_bind("decode", args.host, has_token, args.allow_insecure_bind)
     transport = configure_transport(args.advertise_host, args.host, args.transfer_tls,
                                     args.transfer_net_devices, args.transfer_tcp_user_timeout)
     engine = WorkerEngine(args.model, args.device, args.dtype, args.num_pages, args.page_size, faults,
-                          prefix_cache=args.prefix_cache)
+                          prefix_cache=args.prefix_cache, grammar_step_budget=args.grammar_step_budget)
     agent = NixlAgent.for_pool("decode", engine.pool)
     receiver = KVReceiver(agent, engine.pool, verify_checksum=args.kv_checksum, corrupt_kv=faults.corrupt_kv,
                           fault_seed=faults.fault_seed)

@@ -179,8 +179,22 @@ class DecodeScheduler:
                 else:
                     self.worker.fail(job, f"decode step failed: {type(result).__name__}: {result}", "INTERNAL")
             return
+        overruns = self.grammar_overruns()
         for job, tok, lp, top in zip(batch, *result, strict=True):
             if job.finished:  # ended mid-step: its release waited for the step
                 self.worker.release(job)
+            elif job.room in overruns:
+                self.fail_overrun(job, overruns[job.room])
             else:
                 self.worker.emit(job, tok, lp, top)
+
+    def grammar_overruns(self) -> dict:
+        """Rooms whose grammar overran the per-step budget in the forward just done."""
+        grammars = getattr(self.engine, "grammars", None)
+        return grammars.take_overruns() if grammars is not None else {}
+
+    def fail_overrun(self, job: Job, seconds: float) -> None:
+        """A grammar too expensive to follow fails its own room; the others never wait on it again."""
+        budget = self.engine.grammars.step_budget
+        self.worker.fail(job, f"the grammar took {seconds:.2f} s of CPU for one token, over this worker's "
+                              f"--grammar-step-budget of {budget} s: it is too expensive to enforce", "INVALID_ARGUMENT")

@@ -39,7 +39,8 @@ class DecodeServicer(LaneServicerMixin, wpb_grpc.DecodeServicer):
             ids = list(request.token_ids)
             try:
                 params = parse_request(request.params, ids, self.worker.engine.config)
-                self.worker.engine.check_grammar(params)
+                if params.grammar is not None:  # a big grammar compiles for seconds: off the event loop
+                    await asyncio.to_thread(self.worker.engine.check_grammar, params)
                 if request.colocated and request.prefill_addr:
                     raise ValueError("a colocated request has no prefill_addr")
                 if not request.colocated and not request.prefill_addr:

@@ -11,58 +11,40 @@ grammar and the ids generated so far, so any worker rebuilds it by feeding those
 matcher. A per-room cache keeps decode's per-token cost O(1): it holds the matcher and the ids it
 consumed, extends it when the request's ids extend them, and rebuilds it otherwise (a migrated
 request arriving with generated ids, a resumed one). Entries are dropped when the worker releases
-the room, and an LRU bound keeps a missed drop from leaking.
+the room, and an LRU bound keeps a missed drop from leaking. Compiled grammars are kept for reuse
+(n > 1, repeated schemas) in a cache bounded by bytes and keyed by a digest of the source
+(services/common/byte_lru.py), never by the source itself.
+
+Cost: one grammar's mask can take seconds (a regex like `((a{60}){60}){60}`), and the batch
+waits for every row. The router refuses grammars whose first mask overruns its budget; here, a
+row whose matcher work (extension and mask) takes more than `step_budget` seconds of the engine
+thread's CPU is an overrun: its row allows only the end of sequence, and the worker fails that
+room alone (`take_overruns`), so one grammar never costs the other rooms more than one step.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
+import time
 from collections.abc import Hashable, Sequence
-from pathlib import Path
 
 import llguidance
 import llguidance.torch
 import torch
 
-from services.common.grammar_spec import GrammarError, to_llguidance
-from services.common.tokenizer import Tokenizer
+from services.common.byte_lru import ByteLRU, source_key
+from services.common.grammar_spec import GrammarError, build_tokenizer, to_llguidance
 
 __all__ = ["GrammarError", "GrammarRegistry", "build_tokenizer"]
 
 MAX_CACHED_MATCHERS = 4096  # rooms; far above any worker's concurrent requests
-MAX_CACHED_GRAMMARS = 256  # compiled grammars kept for reuse (n > 1, repeated schemas)
-
-
-def build_tokenizer(tokenizer: Tokenizer, model_dir: Path | None, vocab_size: int) -> llguidance.LLTokenizer:
-    """llguidance's view of the vocabulary: the bytes of every token id below the model's vocab."""
-    eos = list(tokenizer.eos_token_ids) or None
-    tokenizer_json = model_dir / "tokenizer.json" if model_dir is not None else None
-    if tokenizer_json is not None and tokenizer_json.is_file():
-        return llguidance.LLTokenizer(tokenizer_json.read_text(), n_vocab=vocab_size, eos_token=eos)
-    wrapper = llguidance.TokenizerWrapper(_ByteTokenizer(tokenizer, vocab_size))
-    return llguidance.LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=eos)
-
-
-class _ByteTokenizer:
-    """The shape llguidance.TokenizerWrapper reads, for tokenizers without a tokenizer.json
-    (the byte-level `builtin-random` one): token bytes by id, special ids, encode."""
-
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
-        self._tokenizer = tokenizer
-        self.eos_token_id = tokenizer.eos_token_ids[0]
-        self.bos_token_id = tokenizer.bos_token_id
-        self.special_token_ids = [t for t in range(vocab_size) if tokenizer.is_special(t)]
-        self.tokens = [
-            tokenizer.decode([t], skip_special_tokens=False).encode() if t in self.special_token_ids
-            else bytes([t]) if t < 256 else b""
-            for t in range(vocab_size)
-        ]
-
-    def __call__(self, text: str | bytes) -> list[int]:
-        if isinstance(text, bytes):
-            text = text.decode("utf-8", errors="replace")
-        return self._tokenizer.encode(text, add_special_tokens=False)
+COMPILED_CACHE_BYTES = 128 * 1024 * 1024  # compiled grammars kept for reuse, by their estimated size
+# A compiled matcher's memory is not exposed: estimated from its source (lexer and parser tables
+# grow with it) plus a floor for the tokenizer trie walk state
+MATCHER_BYTES_PER_SOURCE_BYTE = 8
+MATCHER_BASE_BYTES = 64 * 1024
+DEFAULT_STEP_BUDGET = 0.2  # seconds of engine-thread CPU one row's matcher work may take per step
 
 
 class _Entry:
@@ -76,28 +58,27 @@ class GrammarRegistry:
     """Matchers per room, rebuilt from ids on demand. `allowed_mask` runs on the engine thread;
     `forget` may run on the event loop, hence the lock."""
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, vocab_size: int):
+    def __init__(self, tokenizer: llguidance.LLTokenizer, vocab_size: int,
+                 step_budget: float = DEFAULT_STEP_BUDGET, compiled_cache_bytes: int = COMPILED_CACHE_BYTES):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
-        self._compiled: collections.OrderedDict[tuple[str, str], llguidance.LLMatcher] = collections.OrderedDict()
+        self.step_budget = step_budget  # <= 0: no budget
+        self.compiled = ByteLRU(compiled_cache_bytes)
         self._rooms: collections.OrderedDict[Hashable, _Entry] = collections.OrderedDict()
         self._lock = threading.Lock()
+        self._overruns: dict[Hashable, float] = {}  # room -> CPU seconds of the step that overran
         self.rebuilds = 0  # matchers built from scratch for a room (tests and logs read it)
         self._shifts = torch.arange(32, dtype=torch.int32)
 
     def compile(self, grammar: tuple[str, str]) -> llguidance.LLMatcher:
         """The grammar's fresh matcher (compiled once, then copied). Raises GrammarError."""
-        with self._lock:
-            template = self._compiled.get(grammar)
-            if template is not None:
-                self._compiled.move_to_end(grammar)
-                return template.deep_copy()
+        key = source_key(*grammar)
+        template = self.compiled.get(key)
+        if template is not None:
+            return template.deep_copy()
         template = llguidance.LLMatcher(self.tokenizer, to_llguidance(*grammar), log_level=0)
         if template.is_error():
             raise GrammarError(template.get_error())
-        with self._lock:
-            self._compiled[grammar] = template
-            while len(self._compiled) > MAX_CACHED_GRAMMARS:
-                self._compiled.popitem(last=False)
+        self.compiled.put(key, template, MATCHER_BASE_BYTES + MATCHER_BYTES_PER_SOURCE_BYTE * len(grammar[1]))
         return template.deep_copy()
 
     def _matcher(self, key: Hashable | None, grammar: tuple[str, str], generated: Sequence[int]) -> llguidance.LLMatcher:
@@ -129,11 +110,17 @@ class GrammarRegistry:
         bits = llguidance.torch.allocate_token_bitmask(len(rows), self.vocab_size)
         errors = []
         for i, (key, grammar, generated) in enumerate(rows):
+            started = time.thread_time()
             matcher = self._matcher(key, grammar, generated)
             if matcher.is_error():
                 errors.append(i)
-            else:
-                llguidance.torch.fill_next_token_bitmask(matcher, bits, i)
+                continue
+            llguidance.torch.fill_next_token_bitmask(matcher, bits, i)
+            spent = time.thread_time() - started
+            if key is not None and 0 < self.step_budget < spent:  # without a room there is no one to fail
+                errors.append(i)
+                with self._lock:
+                    self._overruns[key] = spent
         mask = ((bits.unsqueeze(-1) >> self._shifts) & 1).flatten(1)[:, : self.vocab_size].bool()
         for i in errors:
             mask[i] = False
@@ -144,9 +131,17 @@ class GrammarRegistry:
         """One row of allowed_masks."""
         return self.allowed_masks([(key, grammar, generated)])[0]
 
+    def take_overruns(self) -> dict[Hashable, float]:
+        """Rooms whose matcher work overran the step budget since the last call (room -> CPU
+        seconds of that step); the caller fails them."""
+        with self._lock:
+            out, self._overruns = self._overruns, {}
+        return out
+
     def forget(self, key: Hashable) -> None:
         with self._lock:
             self._rooms.pop(key, None)
+            self._overruns.pop(key, None)
 
     def __len__(self) -> int:
         return len(self._rooms)

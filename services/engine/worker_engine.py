@@ -25,7 +25,7 @@ import torch
 from services.common.faults import Faults
 from services.common.sampling_params import SamplingParams
 from services.common.tokenizer import load_tokenizer
-from services.engine.grammar import GrammarError, GrammarRegistry, build_tokenizer
+from services.engine.grammar import DEFAULT_STEP_BUDGET, GrammarError, GrammarRegistry, build_tokenizer
 from services.engine.kv_pool import KVPool
 from services.engine.loader import LoadedModel, load_model
 from services.engine.prefix_cache import PrefixCache
@@ -46,6 +46,7 @@ class WorkerEngine:
     def __init__(
         self, model_path: str, device: str, dtype: str, num_pages: int, page_size: int, faults: Faults | None = None,
         prefix_cache: bool = False,
+        grammar_step_budget: float = DEFAULT_STEP_BUDGET,
     ):
         self.loaded: LoadedModel = load_model(model_path, device, None if dtype == "auto" else _DTYPES[dtype])
         self.config = self.loaded.config
@@ -53,7 +54,7 @@ class WorkerEngine:
         self.runner = ModelRunner(self.loaded.model, self.pool)
         # full pages found again by their token ids (--prefix-cache); None: every page is a room's own
         self.prefix_cache = PrefixCache(self.pool.allocator, page_size) if prefix_cache else None
-        self.grammars = _grammar_registry(model_path, self.loaded, self.config.vocab_size)
+        self.grammars = _grammar_registry(model_path, self.loaded, self.config.vocab_size, grammar_step_budget)
         self.sampler = Sampler(self.grammars)
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.faults = faults or Faults()
@@ -135,13 +136,14 @@ class WorkerEngine:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _grammar_registry(model_path: str, loaded: LoadedModel, vocab_size: int) -> GrammarRegistry | None:
+def _grammar_registry(model_path: str, loaded: LoadedModel, vocab_size: int,
+                      step_budget: float = DEFAULT_STEP_BUDGET) -> GrammarRegistry | None:
     """Structured output needs the tokenizer's bytes per token; a worker whose tokenizer cannot
     load still serves everything else (and refuses grammars with a clear message)."""
     try:
         tokenizer = load_tokenizer(loaded.path or model_path)
         folder = pathlib.Path(loaded.path) if loaded.path else None
-        return GrammarRegistry(build_tokenizer(tokenizer, folder, vocab_size), vocab_size)
+        return GrammarRegistry(build_tokenizer(tokenizer, folder, vocab_size), vocab_size, step_budget)
     except Exception:  # noqa: BLE001 - logged, and the worker serves without grammars
         log.exception("structured output disabled: the tokenizer did not load")
         return None

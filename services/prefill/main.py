@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 
+from services.common.bind_guard import refuse_insecure_bind
 from services.common.config import PrefillSettings, parse_settings
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.grpc_server import configure_internal_token
@@ -26,11 +27,12 @@ DESCRIPTION = "pdmesh prefill worker: computes prompts' KV cache and sends it to
 async def serve(argv=None) -> None:
     args = parse_settings(PrefillSettings, "python -m services.prefill", DESCRIPTION, argv)
     worker_id, faults = start_worker_process("prefill", args)
-    configure_internal_token(args.internal_token_file, args.internal_token)
+    has_token = configure_internal_token(args.internal_token_file, args.internal_token)
+    refuse_insecure_bind("prefill", args.host, has_token, args.allow_insecure_bind)
     transport = configure_transport(args.advertise_host, args.host, args.transfer_tls,
                                     args.transfer_net_devices, args.transfer_tcp_user_timeout)
     engine = WorkerEngine(args.model, args.device, args.dtype, args.num_pages, args.page_size, faults,
-                          prefix_cache=args.prefix_cache)
+                          prefix_cache=args.prefix_cache, grammar_step_budget=args.grammar_step_budget)
     agent = NixlAgent.for_pool("prefill", engine.pool)
     sender = KVSender(
         agent,

@@ -28,7 +28,8 @@ class PrefillServicer(LaneServicerMixin, wpb_grpc.PrefillServicer):
             pool = self.worker.engine.pool
             try:
                 params = parse_request(request.params, ids, self.worker.engine.config)
-                self.worker.engine.check_grammar(params)
+                if params.grammar is not None:  # a big grammar compiles for seconds: off the event loop
+                    await asyncio.to_thread(self.worker.engine.check_grammar, params)
                 if not pool.can_ever_hold(len(ids)):
                     raise ValueError(f"prompt of {len(ids)} tokens needs more KV pages than this worker has")
             except ValueError as e:

@@ -41,13 +41,21 @@ from starlette.requests import ClientDisconnect
 
 from services.common.logging_setup import bound_room, get_logger
 from services.common.metrics import CONTENT_TYPE, Metrics
-from services.common.tokenizer import BUILTIN_NAMES, Tokenizer, load_tokenizer
+from services.common.tokenizer import (
+    BUILTIN_NAMES,
+    BUILTIN_RANDOM,
+    Tokenizer,
+    load_tokenizer,
+    resolve_model_path,
+)
 from services.router import errors, openapi
 from services.router.cache_reset import reset_prefix_caches
 from services.router.canary import Canary
 from services.router.errors import APIError
 from services.router.fanout import FanIn, PrefillShare, Single
 from services.router.fastpath import RouterApp
+from services.router.grammar_cost import GrammarCost
+from services.router.limits import RequestLimits
 from services.router.orchestrator import Orchestrator, new_room
 from services.router.output import TokenStrings
 from services.router.pool import WorkerPool
@@ -93,6 +101,10 @@ class RouterSettings:
     body_timeout: float = 30.0
     max_body_reads: int = 512
     max_buffered_tokens: int = 1024  # per choice
+    max_grammar_bytes: int = 1024 * 1024  # services/router/limits.py
+    max_request_worker_bytes: int = 16 * 1024 * 1024
+    grammar_compile_budget: float = 2.0  # services/router/grammar_cost.py
+    grammar_mask_budget: float = 0.1
     health_check_interval: float = 1.0
     health_check_timeout: float = 1.0
     health_failure_threshold: int = 2
@@ -150,6 +162,18 @@ def tool_parser(flag: str, tokenizer: Tokenizer) -> str | None:
     return detect_tool_parser([tokenizer.tool_chat_template])
 
 
+def grammar_cost(settings: RouterSettings, tokenizer: Tokenizer) -> GrammarCost | None:
+    """The bounded compile of requests' grammars, over the served model's tokenizer; None (grammars
+    then go to the workers unmeasured, which still bound each step) when llguidance cannot read it."""
+    folder = Path(resolve_model_path(settings.model)) if settings.model != BUILTIN_RANDOM else None
+    try:
+        return GrammarCost(tokenizer, folder if folder is not None and folder.is_dir() else None,
+                           settings.grammar_compile_budget, settings.grammar_mask_budget)
+    except Exception:  # noqa: BLE001 - logged; the workers' per-step budget still holds
+        log.exception("grammar cost checks disabled: llguidance could not read the tokenizer")
+        return None
+
+
 class Router:
     def __init__(self, settings: RouterSettings, tokenizer: Tokenizer | None = None):
         self.settings = settings
@@ -157,8 +181,10 @@ class Router:
         name = served_name(settings.model, settings.served_model_name)
         aliases = frozenset({settings.model, *(BUILTIN_NAMES[1:] if settings.model in BUILTIN_NAMES else ())}) - {""}
         self.info = ModelInfo(name=name, tokenizer=self.tokenizer, context_length=context_length(settings.model),
-                              aliases=aliases, tool_parser=tool_parser(settings.tool_call_parser, self.tokenizer))
+                              aliases=aliases, tool_parser=tool_parser(settings.tool_call_parser, self.tokenizer),
+                              limits=RequestLimits(settings.max_grammar_bytes, settings.max_request_worker_bytes))
         self.token_strings = TokenStrings(self.tokenizer)
+        self.grammar_cost = grammar_cost(settings, self.tokenizer)
         self.shared: SharedState | None = None  # the other router processes' admissions and loads
         self.siblings: SiblingMetrics | None = None  # their /metrics
         label = f"router-{settings.host}-{settings.port}"
@@ -245,6 +271,8 @@ class Router:
                  pool=self.pool.status())
 
     async def close(self) -> None:
+        if self.grammar_cost is not None:
+            self.grammar_cost.close()
         await self.canary.close()
         await self.orchestrator.close()
         await self.pool.close()
@@ -316,11 +344,13 @@ class Router:
     async def parse(self, kind: str, body: Any, size_hint: int) -> GenerateSpec:
         parse = parse_completion if kind == "completion" else parse_chat
         try:
-            if size_hint > PARSE_IN_THREAD_BYTES:
-                return await asyncio.to_thread(parse, body, self.info)
-            return parse(body, self.info)
+            spec = await asyncio.to_thread(parse, body, self.info) if size_hint > PARSE_IN_THREAD_BYTES \
+                else parse(body, self.info)
         except RecursionError:  # a body deep enough to parse, walked by code that recurses
             raise errors.nested_too_deeply() from None
+        if self.grammar_cost is not None:
+            await self.grammar_cost.check(spec.grammar, spec.grammar_param)
+        return spec
 
     # --- generation -----------------------------------------------------------------------------
 
@@ -500,7 +530,8 @@ class _Run:
         try:
             await run_until_disconnect(self._collect(), request.receive)
             status, error = 200, None
-            return JSONResponse(self.state.body(self.states), headers={"X-Request-Id": f"{self.request_id:016x}"})
+            body = await self.state.body_json(self.states)
+            return Response(body, media_type="application/json", headers={"X-Request-Id": f"{self.request_id:016x}"})
         except APIError as e:
             status, error = e.status, e.message
             return error_json(e, self.request_id)
@@ -696,6 +727,8 @@ def create_app(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> 
     async def health() -> Response:
         ok = router.pool.has_healthy_pair()
         body = {"status": "ok" if ok else "unavailable", "running_requests": router.active, **router.pool.status()}
+        if not ok:
+            body["reason"] = router.pool.unavailable_reason()
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")

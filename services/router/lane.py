@@ -30,6 +30,7 @@ import grpc
 
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.grpc_server import TOKEN_KEY, internal_token
+from services.common.lane_batches import LANE_MESSAGE_BYTES, batches, entry_bytes
 from services.common.logging_setup import get_logger
 
 log = get_logger("router.lane")
@@ -222,8 +223,9 @@ class LaneDecodeCall(_Call):
 class Lane:
     """One worker's lane: opened on the first call, re-opened by the first call after it failed."""
 
-    def __init__(self, stub, addr: str, on_failure=None) -> None:
+    def __init__(self, stub, addr: str, on_failure=None, max_message_bytes: int = LANE_MESSAGE_BYTES) -> None:
         self.addr = addr
+        self.max_message_bytes = max_message_bytes  # one lane message never exceeds it (lane_batches.py)
         self.fallback = stub  # the worker's own stub: its Lane method opens the stream; one RPC per call without it
         # called with the status when the stream fails: the lane is a connection held open to the
         # worker, so a worker that dies is noticed at once (the pool probes it), calls or not
@@ -232,14 +234,22 @@ class Lane:
         self._calls: dict[int, _Call] = {}
         self._ids = itertools.count(1)
         self._out: list[wpb.LaneCall] = []
+        self._out_sizes: list[int] = []
         self._wake: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
         self.supported = True  # False once the worker answered UNIMPLEMENTED
         self.opened = 0  # streams opened (tests, logs)
 
     def start(self, call: _Call, entry: wpb.LaneCall) -> None:
+        size = entry_bytes(entry)
+        if size > self.max_message_bytes:
+            # sent, it would fail the stream and every other call on it: this call alone fails
+            call.fail(rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"the call is {size} bytes, over the lane's message limit of "
+                                f"{self.max_message_bytes} bytes"))
+            return
         self._calls[call.cid] = call
-        self._send(entry)
+        self._send(entry, size)
 
     def cancel(self, call: _Call, tell_worker: bool = True) -> None:
         if self._calls.pop(call.cid, None) is not None and self._stream is not None and tell_worker:
@@ -248,10 +258,11 @@ class Lane:
     def next_id(self) -> int:
         return next(self._ids)
 
-    def _send(self, entry: wpb.LaneCall) -> None:
+    def _send(self, entry: wpb.LaneCall, size: int | None = None) -> None:
         if self._stream is None:
             self._open()
         self._out.append(entry)
+        self._out_sizes.append(entry_bytes(entry) if size is None else size)
         self._wake.set()
 
     def _open(self) -> None:
@@ -269,8 +280,9 @@ class Lane:
                 wake.clear()
                 if self._stream is not stream:
                     return
-                out, self._out = self._out, []
-                await stream.write(wpb.LaneUp(calls=out))
+                out, sizes, self._out, self._out_sizes = self._out, self._out_sizes, [], []
+                for group in batches(out, sizes, self.max_message_bytes):
+                    await stream.write(wpb.LaneUp(calls=group))
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
             return  # the stream ended: the read loop fails its calls
         except Exception as e:  # noqa: BLE001 - a lane that cannot write must not hold its calls
@@ -305,7 +317,7 @@ class Lane:
         if self._stream is not stream:
             return
         self._stream = None
-        self._out = []
+        self._out, self._out_sizes = [], []
         self._wake.set()  # ends the write loop
         calls, self._calls = list(self._calls.values()), {}
         unimplemented = isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNIMPLEMENTED
@@ -340,9 +352,9 @@ class LaneStub:
     """The worker's stub with Prefill / Decode on its lane (the pool uses the bare stub when
     --worker-lane is false)."""
 
-    def __init__(self, stub, addr: str, on_failure=None) -> None:
+    def __init__(self, stub, addr: str, on_failure=None, max_message_bytes: int = LANE_MESSAGE_BYTES) -> None:
         self._stub = stub
-        self.lane = Lane(stub, addr, on_failure)
+        self.lane = Lane(stub, addr, on_failure, max_message_bytes)
 
     def __getattr__(self, name):  # Load, Abort, and Prefill / Decode of a lane-less worker
         return getattr(self._stub, name)

@@ -39,6 +39,11 @@ def main(argv=None) -> None:
     if args.request_timeout <= 0 or args.max_concurrent_requests < 1 or args.max_body_bytes < 1:
         log.error("--request-timeout, --max-concurrent-requests and --max-body-bytes must be positive")
         sys.exit(2)
+    if (args.max_grammar_bytes < 1 or args.max_request_worker_bytes < 1 or args.grammar_compile_budget <= 0
+            or args.grammar_mask_budget <= 0):
+        log.error("--max-grammar-bytes, --max-request-worker-bytes, --grammar-compile-budget and "
+                  "--grammar-mask-budget must be positive")
+        sys.exit(2)
     if args.canary_interval < 0 or args.canary_timeout <= 0 or args.pair_hold < 0:
         log.error("--canary-interval and --pair-hold must be 0 or more and --canary-timeout positive")
         sys.exit(2)

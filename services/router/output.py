@@ -44,6 +44,9 @@ class StopMatcher:
 
 
 class OutputText:
+    """Released text is kept as chunks and only the unreleased tail is searched, so each token
+    costs O(1) however long the output grows."""
+
     def __init__(
         self,
         tokenizer: Tokenizer,
@@ -54,46 +57,52 @@ class OutputText:
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
         # most requests have no stop strings: no matcher then (it is made per choice, per request)
         self._matcher = StopMatcher(stop) if any(stop) else None
-        self._text = ""  # everything detokenized so far (after a stop: cut at the stop string)
-        self._sent = 0  # self._text[:_sent] has been released to the client
+        self._released: list[str] = []  # text released to the client, in order
+        self.released_chars = 0  # len of the released text
+        self._pending = ""  # detokenized, held back (could begin a stop string)
         self.stopped = False  # a stop string matched
         self.matched_stop: str | None = None
 
     @property
     def text(self) -> str:
         """Text released so far."""
-        return self._text[: self._sent]
+        if len(self._released) > 1:
+            self._released = ["".join(self._released)]
+        return self._released[0] if self._released else ""
 
     def add(self, token_id: int) -> str:
         """Feed one generated token; returns the newly released text ("" while held back)."""
         if self.stopped:
             return ""
-        self._text += self._detok.add(token_id)
+        self._pending += self._detok.add(token_id)
         return self._release(final=False)
 
     def finish(self) -> str:
         """Generation ended without a stop string: release everything still held back."""
         if self.stopped:
             return ""
-        self._text += self._detok.flush()
+        self._pending += self._detok.flush()
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
+        pending = self._pending
         if self._matcher is not None:
-            # A match can only start in the unreleased part: released text never holds a stop prefix.
-            at = self._matcher.find(self._text, self._sent)
+            # A match can only start in the held-back part: released text never holds a stop prefix.
+            at = self._matcher.find(pending, 0)
             if at != -1:
-                self.matched_stop = next(s for s in self._matcher.stops if self._text.startswith(s, at))
-                self._text = self._text[:at]
+                self.matched_stop = next(s for s in self._matcher.stops if pending.startswith(s, at))
                 self.stopped = True
-                return self._advance(at)
+                return self._advance(at, drop_rest=True)
             if not final:
-                return self._advance(len(self._text) - self._matcher.holdback(self._text, self._sent))
-        return self._advance(len(self._text))
+                return self._advance(len(pending) - self._matcher.holdback(pending, 0))
+        return self._advance(len(pending))
 
-    def _advance(self, to: int) -> str:
-        out = self._text[self._sent : to] if to > self._sent else ""
-        self._sent = max(self._sent, to)
+    def _advance(self, to: int, drop_rest: bool = False) -> str:
+        out = self._pending[:to]
+        self._pending = "" if drop_rest else self._pending[to:]
+        if out:
+            self._released.append(out)
+            self.released_chars += len(out)
         return out
 
 

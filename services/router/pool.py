@@ -273,8 +273,19 @@ class WorkerPool:
         except Exception as e:  # noqa: BLE001 - any failure of the probe is a failed probe
             ok, error = False, repr(e)
         if ok:
+            refused = await self._read_load(w)
+            if refused:
+                # Health is open to anyone; every other call needs the shared token. A worker that
+                # refuses ours cannot serve a single request: eject it now, not after the threshold.
+                w.failures += 1
+                if w.last_error != refused or w.healthy:
+                    log.error("internal token mismatch: the worker refuses the router's calls", role=w.role,
+                              target=w.addr, error=refused)
+                w.last_error = refused
+                if w.healthy:
+                    self._mark(w, False, refused)
+                return False
             w.failures = 0
-            await self._read_load(w)
             if not w.healthy:
                 self._mark(w, True, "health probe succeeded")
         else:
@@ -284,12 +295,17 @@ class WorkerPool:
                 self._mark(w, False, error)
         return ok
 
-    async def _read_load(self, w: Worker) -> None:
+    async def _read_load(self, w: Worker) -> str:
+        """Read the worker's load; returns why the worker refuses the router ("" when it does not)."""
         try:
             reply = await w.stub.Load(wpb.LoadRequest(), timeout=self.timeout)
-        except grpc.aio.AioRpcError:
-            return  # keep the last report; load is advisory, health decides admission
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                return (f"internal token mismatch: the worker answers UNAUTHENTICATED ({e.details()}); give the "
+                        "router and every worker the same --internal-token-file / PDMESH_INTERNAL_TOKEN")
+            return ""  # keep the last report; load is advisory, health decides admission
         w.external_load = max(0, reply.queued + reply.running - w.inflight - w.peer_inflight)
+        return ""
 
     def _mark(self, w: Worker, healthy: bool, why: str) -> None:
         w.healthy = healthy
@@ -323,6 +339,8 @@ class WorkerPool:
         eject it at once if the probe fails too."""
         if code == grpc.StatusCode.UNAVAILABLE:
             self.confirm(w, "request failed with UNAVAILABLE")
+        elif code == grpc.StatusCode.UNAUTHENTICATED:
+            self.confirm(w, "request failed with UNAUTHENTICATED")
 
     def confirm(self, w: Worker, why: str) -> None:
         """Something says `w` may be gone (`why`): probe it now, and eject it if the probe fails."""
@@ -396,6 +414,17 @@ class WorkerPool:
     def pairs_status(self) -> list[dict]:
         return [{"prefill": p.addr, "decode": d.addr, "reason": m.reason, "failures": m.failures}
                 for (p, d), m in self.pairs.marks().items()]
+
+    def unavailable_reason(self) -> str:
+        """Why no healthy pair exists ("" when one does): each role without a healthy worker, with
+        its workers' last errors."""
+        roles = (("decode", self.decodes),) if self.colocated else (("prefill", self.prefills), ("decode", self.decodes))
+        reasons = []
+        for role, group in roles:
+            if not any(w.healthy for w in group):
+                errors = "; ".join(f"{w.addr}: {w.last_error or 'not admitted yet'}" for w in group) or "none configured"
+                reasons.append(f"no healthy {role} worker ({errors})")
+        return ". ".join(reasons)
 
     def status(self) -> dict:
         def one(w: Worker) -> dict:

@@ -15,7 +15,8 @@ from typing import Any
 
 from services.common.tokenizer import ChatTemplateError, Tokenizer
 from services.router.errors import bad_request, invalid_type, model_not_found
-from services.router.structured import structured_output
+from services.router.limits import DEFAULT_LIMITS, RequestLimits, check_request_size
+from services.router.structured import structured_output_field
 from services.router.tools import ToolRequest, check_tool_fields, parse_tools
 
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM any. A bound keeps stop matching cheap.
@@ -40,6 +41,7 @@ class ModelInfo:
     context_length: int
     aliases: frozenset[str] = frozenset()  # other accepted spellings, e.g. the --model value
     tool_parser: str | None = None  # the chat template's tool-call format (services/router/tool_parsers.py)
+    limits: RequestLimits = DEFAULT_LIMITS  # what one request may send the workers (services/router/limits.py)
 
 
 @dataclass
@@ -70,6 +72,7 @@ class GenerateSpec:
     # Structured output (response_format, a forced tool call): (kind, source) as
     # services/common/sampling_params.GRAMMAR_KINDS; the workers constrain every token with it.
     grammar: tuple[str, str] | None = None
+    grammar_param: str = ""  # the request field the grammar came from, for errors about it
     # The reply's tool-call format when it is parsed for calls (tools given, tool_choice not none).
     tool_parser: str | None = None
 
@@ -345,6 +348,11 @@ def completion_prompt(body: dict, tokenizer: Tokenizer) -> tuple[list[int], str]
     raise invalid_type("prompt", "a string, an array of token ids, or an array of one of those", prompt)
 
 
+def _grammar(body: dict, ignore_eos: bool, limits: RequestLimits, kw: dict) -> None:
+    found = structured_output_field(body, ignore_eos, limits)
+    kw["grammar"], kw["grammar_param"] = (found[1], found[0]) if found is not None else (None, "")
+
+
 def parse_completion(body: Any, info: ModelInfo) -> GenerateSpec:
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
@@ -361,7 +369,7 @@ def parse_completion(body: Any, info: ModelInfo) -> GenerateSpec:
     echo = get_bool(body, "echo", False)
     ignore_eos = get_bool(body, "ignore_eos", False)
     skip_special = get_bool(body, "skip_special_tokens", True)
-    kw["grammar"] = structured_output(body, ignore_eos)
+    _grammar(body, ignore_eos, info.limits, kw)
     if echo and logprobs is not None:
         raise bad_request("'echo' together with 'logprobs' is not supported.", param="echo", code="unsupported_value")
     ids, text = completion_prompt(body, info.tokenizer)
@@ -369,6 +377,7 @@ def parse_completion(body: Any, info: ModelInfo) -> GenerateSpec:
         raise bad_request("The prompt must not be empty.", param="prompt", code="invalid_value")
     max_tokens = _max_tokens(body, ("max_tokens",), len(ids), info, COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
     _check_min_tokens(kw, max_tokens)
+    check_request_size(kw["n"], len(ids), kw["grammar"], "n" if kw["n"] > 1 else "prompt", info.limits)
     return GenerateSpec(
         kind="completion",
         model=model,
@@ -466,7 +475,7 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerateSpec:
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
     model = _check_model(body, info)
     _check_unsupported(body)
-    tools = parse_tools(body, info.tool_parser, info.tokenizer)
+    tools = parse_tools(body, info.tool_parser, info.tokenizer, info.limits)
     kw: dict[str, Any] = {}
     _sampling(body, kw)
     _controls(body, info.tokenizer.vocab_size, kw)
@@ -480,7 +489,7 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerateSpec:
         )
     ignore_eos = get_bool(body, "ignore_eos", False)
     skip_special = get_bool(body, "skip_special_tokens", True)
-    kw["grammar"] = structured_output(body, ignore_eos)
+    _grammar(body, ignore_eos, info.limits, kw)
     if tools is not None and tools.grammar is not None:
         if kw["grammar"] is not None:
             raise bad_request("Structured output (response_format, structured_outputs, guided_*) cannot be combined "
@@ -489,11 +498,12 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerateSpec:
         if ignore_eos:
             raise bad_request("'ignore_eos' cannot be combined with a forced tool call: the grammar ends the output.",
                               param="ignore_eos", code="unsupported_value")
-        kw["grammar"] = tools.grammar
+        kw["grammar"], kw["grammar_param"] = tools.grammar, "tools"
     ids = chat_prompt(body, info.tokenizer, tools)
     _check_ids(ids, info.tokenizer.vocab_size, "messages")
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), len(ids), info, None, "messages")
     _check_min_tokens(kw, max_tokens)
+    check_request_size(kw["n"], len(ids), kw["grammar"], "n" if kw["n"] > 1 else "messages", info.limits)
     return GenerateSpec(
         kind="chat",
         model=model,

@@ -12,6 +12,7 @@ body, incrementally for a stream (content deltas and tool-call deltas, services/
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
@@ -31,6 +32,16 @@ MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 # characters, so the encoded slot cannot occur anywhere else in an event.
 _SLOT = "\x00pdmesh-text\x00"
 _SLOT_JSON = json.dumps(_SLOT).encode("utf-8")
+BODY_SLICE = 256  # logprob entries built and encoded between two turns of the event loop
+
+
+def _dumps(value: Any) -> bytes:
+    """JSON as Starlette's JSONResponse writes it."""
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode("utf-8")
+
+
+def _slot(index: int) -> str:
+    return f"{_SLOT}logprobs-{index}"
 
 
 def _lp(value: float) -> float:
@@ -77,7 +88,7 @@ class ResponseState:
             self.cached_tokens = min(chunk.cached_tokens, self.prompt_tokens)
         for i, token in enumerate(chunk.token_ids):
             self.completion_tokens += 1
-            offset = len(self.spec.echo_text) + len(self.out.text)
+            offset = len(self.spec.echo_text) + self.out.released_chars
             # The token that made decode stop (eos or a stop_token_id) is counted but not shown.
             if not (chunk.finish_reason == "stop" and i == n - 1):
                 texts.append(self.out.add(token))
@@ -162,15 +173,38 @@ class ResponseState:
     def _chat_logprobs(self, entries) -> dict[str, Any] | None:
         if self.spec.logprobs is None:
             return None
-        content = []
-        for token, lp, _, top in entries:
-            text, raw = self.token_strings.get(token)
-            alternatives = []
-            for t, v in (top or [])[: self.spec.logprobs]:
-                t_text, t_raw = self.token_strings.get(t)
-                alternatives.append({"token": t_text, "logprob": _lp(v), "bytes": t_raw})
-            content.append({"token": text, "logprob": _lp(lp), "bytes": raw, "top_logprobs": alternatives})
-        return {"content": content, "refusal": None}
+        return {"content": [self._chat_entry(e) for e in entries], "refusal": None}
+
+    def _chat_entry(self, entry: Entry) -> dict[str, Any]:
+        token, lp, _, top = entry
+        text, raw = self.token_strings.get(token)
+        alternatives = []
+        for t, v in (top or [])[: self.spec.logprobs]:
+            t_text, t_raw = self.token_strings.get(t)
+            alternatives.append({"token": t_text, "logprob": _lp(v), "bytes": t_raw})
+        return {"token": text, "logprob": _lp(lp), "bytes": raw, "top_logprobs": alternatives}
+
+    async def _logprobs_json(self) -> bytes:
+        """This choice's logprobs as JSON, built and encoded BODY_SLICE entries at a time with the
+        event loop served between slices (the same value as _chat_logprobs / _completion_logprobs)."""
+        if self.spec.kind != "completion":
+            parts = []
+            for i in range(0, len(self.entries), BODY_SLICE):
+                parts.append(_dumps([self._chat_entry(e) for e in self.entries[i : i + BODY_SLICE]])[1:-1])
+                await asyncio.sleep(0)
+            return b'{"content":[' + b",".join(p for p in parts if p) + b'],"refusal":null}'
+        fields = []
+        for i in range(0, len(self.entries), BODY_SLICE):
+            fields.append(self._completion_logprobs(self.entries[i : i + BODY_SLICE]))
+            await asyncio.sleep(0)
+        out = []
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            if name == "top_logprobs" and not self.spec.logprobs:
+                out.append(b'"top_logprobs":null')
+                continue
+            pieces = [_dumps(f[name])[1:-1] for f in fields]
+            out.append(b'"' + name.encode() + b'":[' + b",".join(p for p in pieces if p) + b"]")
+        return b"{" + b",".join(out) + b"}"
 
     # --- bodies -------------------------------------------------------------------------------
 
@@ -188,23 +222,41 @@ class ResponseState:
             message["tool_calls"] = [call.to_openai() for call in parsed.calls]
         return message, self._finish_reason(self.finish_reason, bool(parsed.calls))
 
-    def choice(self) -> dict[str, Any]:
+    def choice(self, logprobs: bool = True) -> dict[str, Any]:
+        """This choice of the body; `logprobs` False leaves them None (body_json fills them in)."""
         if self.spec.kind == "completion":
             return {
                 "index": self.index,
                 "text": self.text,
-                "logprobs": self._completion_logprobs(self.entries),
+                "logprobs": self._completion_logprobs(self.entries) if logprobs else None,
                 "finish_reason": self.finish_reason,
             }
         message, finish_reason = self._message()
         return {
             "index": self.index,
             "message": message,
-            "logprobs": self._chat_logprobs(self.entries),
+            "logprobs": self._chat_logprobs(self.entries) if logprobs else None,
             "finish_reason": finish_reason,
         }
 
-    def body(self, states: list[ResponseState] | None = None) -> dict[str, Any]:
+    async def body_json(self, states: list[ResponseState] | None = None) -> bytes:
+        """body() encoded as JSON bytes. A big one (n × thousands of tokens with top_logprobs is
+        millions of objects, seconds of CPU) is built incrementally: its logprobs BODY_SLICE
+        entries at a time, the event loop served between slices, so no other request waits long."""
+        states = states or [self]
+        if sum(len(s.entries) for s in states if s.spec.logprobs is not None) <= BODY_SLICE:
+            return _dumps(self.body(states))
+        skeleton = self.body(states, logprobs=False)
+        for i, choice in enumerate(skeleton["choices"]):
+            if choice["logprobs"] is None and states[i].spec.logprobs is not None:
+                choice["logprobs"] = _slot(i)
+        encoded = _dumps(skeleton)
+        for i, state in enumerate(states):
+            if state.spec.logprobs is not None:
+                encoded = encoded.replace(_dumps(_slot(i)), await state._logprobs_json(), 1)
+        return encoded
+
+    def body(self, states: list[ResponseState] | None = None, logprobs: bool = True) -> dict[str, Any]:
         """The non-streaming response (`states`: every choice's state, this one first; default just this)."""
         states = states or [self]
         return {
@@ -213,7 +265,7 @@ class ResponseState:
             "created": self.created,
             "model": self.spec.model,
             "system_fingerprint": None,
-            "choices": [s.choice() for s in states],
+            "choices": [s.choice(logprobs) for s in states],
             "usage": self.usage(states),
         }
 

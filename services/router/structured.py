@@ -17,11 +17,11 @@ from typing import Any
 
 from services.common.grammar_spec import choice_grammar, validate
 from services.router.errors import bad_request, invalid_type
+from services.router.limits import DEFAULT_LIMITS, RequestLimits, check_grammar_size
 
 ANY_JSON_OBJECT = '{"type": "object"}'
 EXTRA_KINDS = ("json", "regex", "choice", "grammar")
 LEGACY_FIELDS = {f"guided_{kind}": kind for kind in EXTRA_KINDS}
-MAX_GRAMMAR_CHARS = 100_000  # a schema bigger than this is almost surely a mistake, and costs compile time
 
 
 def _response_format(fmt: Any) -> tuple[str, str] | None:
@@ -70,8 +70,15 @@ def _extra(kind: str, value: Any, param: str) -> tuple[str, str]:
     return ("regex" if kind == "regex" else "lark"), value
 
 
-def structured_output(body: dict, ignore_eos: bool) -> tuple[str, str] | None:
+def structured_output(body: dict, ignore_eos: bool, limits: RequestLimits = DEFAULT_LIMITS) -> tuple[str, str] | None:
     """The request's grammar as (kind, source), or None. Raises APIError (400)."""
+    found = structured_output_field(body, ignore_eos, limits)
+    return found[1] if found is not None else None
+
+
+def structured_output_field(body: dict, ignore_eos: bool,
+                            limits: RequestLimits = DEFAULT_LIMITS) -> tuple[str, tuple[str, str]] | None:
+    """The field that carries the request's grammar and the grammar, or None. Raises APIError (400)."""
     found: list[tuple[str, tuple[str, str]]] = []
     if body.get("response_format") is not None:
         grammar = _response_format(body["response_format"])
@@ -96,13 +103,11 @@ def structured_output(body: dict, ignore_eos: bool) -> tuple[str, str] | None:
         raise bad_request(f"Only one structured output constraint per request; got {names}.",
                           param=found[1][0], code="invalid_value")
     param, (kind, source) = found[0]
-    if len(source) > MAX_GRAMMAR_CHARS:
-        raise bad_request(f"The grammar is longer than {MAX_GRAMMAR_CHARS} characters.", param=param,
-                          code="invalid_value")
+    check_grammar_size(source, param, limits)
     if ignore_eos:
         raise bad_request("'ignore_eos' cannot be combined with structured output: the grammar ends the output.",
                           param="ignore_eos", code="unsupported_value")
     why = validate(kind, source)
     if why:
         raise bad_request(f"Invalid '{param}': {why.strip()}", param=param, code="invalid_value")
-    return kind, source
+    return param, (kind, source)

@@ -17,6 +17,7 @@ from typing import Any
 from services.common.grammar_spec import validate
 from services.common.tokenizer import Tokenizer
 from services.router.errors import bad_request, invalid_type
+from services.router.limits import DEFAULT_LIMITS, RequestLimits, check_grammar_size
 from services.router.tool_parsers import get_format
 
 MAX_TOOLS = 128  # OpenAI's limit
@@ -122,7 +123,8 @@ def _parse_choice(body: dict, names: list[str]) -> tuple[str, str | None]:
     return "function", name
 
 
-def parse_tools(body: dict, parser: str | None, tokenizer: Tokenizer | None = None) -> ToolRequest | None:
+def parse_tools(body: dict, parser: str | None, tokenizer: Tokenizer | None = None,
+                limits: RequestLimits = DEFAULT_LIMITS) -> ToolRequest | None:
     """The request's tools, or None when it has none. `parser`: the served model's tool-call
     format (None when its chat template shows none); `tokenizer`: the model's, for the grammar."""
     for old in ("functions", "function_call"):
@@ -176,7 +178,7 @@ def parse_tools(body: dict, parser: str | None, tokenizer: Tokenizer | None = No
     if choice in ("required", "function"):
         chosen = [t for t in tools if t.name == forced] if forced else tools
         grammar = ("lark", tool_grammar(parser, chosen, parallel=parallel and choice == "required",
-                                        tokenizer=tokenizer))
+                                        tokenizer=tokenizer, limits=limits))
     return ToolRequest(raw, choice, forced, parallel, parser, grammar)
 
 
@@ -202,21 +204,24 @@ def marker_term(tokenizer: Tokenizer | None) -> Callable[[str], str]:
     return term
 
 
-def tool_grammar(parser: str, tools: list[Tool], parallel: bool, tokenizer: Tokenizer | None = None) -> str:
+def tool_grammar(parser: str, tools: list[Tool], parallel: bool, tokenizer: Tokenizer | None = None,
+                 limits: RequestLimits = DEFAULT_LIMITS) -> str:
     """A Lark grammar (llguidance's dialect) for a reply that is one call of one of `tools` — or,
     with `parallel`, one or more — in the format `parser`, each call's arguments following its
-    function's parameters schema. Raises a 400 when a schema cannot be compiled."""
+    function's parameters schema. Raises a 400 when a schema cannot be compiled, or when the
+    schemas together pass --max-grammar-bytes (checked before anything is compiled)."""
     fmt = get_format(parser)
     marker = marker_term(tokenizer)
+    schemas = [json.dumps(_arguments_schema(tool)) for tool in tools]
+    check_grammar_size("".join(schemas), "tools", limits)
     lines = []
-    for k, tool in enumerate(tools):
-        schema = _arguments_schema(tool)
-        error = validate("json_schema", json.dumps(schema))
+    for k, (tool, schema_text) in enumerate(zip(tools, schemas, strict=True)):
+        error = validate("json_schema", schema_text)
         if error:
             raise bad_request(f"The parameters schema of function '{tool.name}' cannot be enforced: {error.strip()}",
                               param="tools", code="invalid_value")
         lines.append(f"call_{k}: {fmt.call_text(tool.name, f'args_{k}', marker)}")
-        lines.append(f"args_{k}: %json {json.dumps(schema)}")
+        lines.append(f"args_{k}: %json {schema_text}")
     lines.append("call: " + " | ".join(f"call_{k}" for k in range(len(tools))))
     source = "\n".join([f"start: {fmt.calls_rule('call', parallel)}", *lines]) + "\n"
     error = validate("lark", source)

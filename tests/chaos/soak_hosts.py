@@ -10,6 +10,7 @@ start_router, restart, procs, close) plus `partition` / `heal`.
 from __future__ import annotations
 
 import pathlib
+import secrets
 import threading
 
 from tests.hosts.launcher import HostMesh, HostProc
@@ -22,7 +23,9 @@ class HostsMesh:
     def __init__(self, workdir: pathlib.Path):
         self.topo = Topology.create(HOSTS)
         try:
-            self.hm = HostMesh(self.topo, workdir, observer="client")
+            # workers listen beyond loopback here: they start only with an internal token
+            self.hm = HostMesh(self.topo, workdir, observer="client",
+                               env={"PDMESH_INTERNAL_TOKEN": secrets.token_hex(16)})
         except Exception:
             self.topo.destroy()
             raise

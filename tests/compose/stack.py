@@ -170,7 +170,9 @@ class Stack:
     def up(self) -> None:
         _, up_opts = compose_args()
         t = time.monotonic()
-        self.run_compose("up", *up_opts, *SERVICES, timeout=900)
+        # the one-shot token service first by name: an engine that cannot wait on
+        # service_completed_successfully still creates it (the workers restart until its file exists)
+        self.run_compose("up", *up_opts, "internal-token", *SERVICES, timeout=900)
         self.timings["up_s"] = time.monotonic() - t
         if self.engine == "podman":
             self._start_health_pump()

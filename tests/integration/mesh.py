@@ -195,9 +195,11 @@ class Mesh:
         return new
 
     def start_router(
-        self, prefills: list[Proc | str], decodes: list[Proc | str], *extra: str, env: dict | None = None
+        self, prefills: list[Proc | str], decodes: list[Proc | str], *extra: str, env: dict | None = None,
+        wait: bool = True,
     ) -> Proc:
-        """Workers as processes (their gRPC address) or as address specs (e.g. a host name)."""
+        """Workers as processes (their gRPC address) or as address specs (e.g. a host name);
+        `wait`: until its /health is 200."""
         port = free_port()
         args = ["--port", str(port)]
         for p in prefills:
@@ -205,7 +207,8 @@ class Mesh:
         for d in decodes:
             args += ["--decode", d if isinstance(d, str) else d.grpc_addr]
         proc = self._spawn("router", [*args, *extra], port, None, env)
-        self.wait_healthy(proc)
+        if wait:
+            self.wait_healthy(proc)
         return proc
 
     def start_workers(self, prefills: int, decodes: int, prefill_flags: tuple[str, ...] = (),

@@ -37,6 +37,7 @@ DOCKERFILE = DEPLOY / "Dockerfile"
 ROLES = ("prefill", "decode", "router")
 ROLE_FLAGS = {"prefill": config.PREFILL_FLAGS, "decode": config.DECODE_FLAGS, "router": config.ROUTER_FLAGS}
 PDMESH_SERVICES = ("router", "prefill", "decode")
+TOKEN_FILE = "/run/pdmesh/internal-token"
 GPU_SLICES = {"prefill": ["0"], "decode": ["1"]}
 
 
@@ -231,8 +232,23 @@ def test_env_file_is_valid_for_sh_and_compose_and_names_only_real_flags():
 # --- docker-compose.yml -------------------------------------------------------------------------
 
 
-def test_compose_file_is_accepted_and_has_the_five_services(base_cfg):
-    assert set(base_cfg["services"]) == {"router", "prefill", "decode", "prometheus", "grafana"}
+def test_compose_file_is_accepted_and_has_the_six_services(base_cfg):
+    assert set(base_cfg["services"]) == {"internal-token", "router", "prefill", "decode", "prometheus", "grafana"}
+
+
+def test_every_pdmesh_service_gets_the_generated_internal_token(base_cfg):
+    services = base_cfg["services"]
+    init = services["internal-token"]
+    assert init["command"] == ["python", "-m", "services.common.token_file", TOKEN_FILE]
+    assert init["restart"] == "no"
+    for name in PDMESH_SERVICES:
+        svc = services[name]
+        assert svc["environment"]["PDMESH_INTERNAL_TOKEN_FILE"] == TOKEN_FILE, name
+        assert svc["depends_on"]["internal-token"] == {"condition": "service_completed_successfully"}, name
+        mounts = [v if isinstance(v, str) else f"{v['source']}:{v['target']}{':ro' if v.get('read_only') else ''}"
+                  for v in svc["volumes"]]
+        assert any(m.startswith("internal-token:/run/pdmesh") and m.endswith(":ro") for m in mounts), (name, mounts)
+    assert "internal-token" in base_cfg["volumes"]
 
 
 def test_compose_defaults_equal_the_env_file():
@@ -279,6 +295,7 @@ def test_health_checks_and_startup_order(base_cfg):
         assert services[name]["healthcheck"]["start_period"] in ("10m", "600s", "10m0s")
     deps = services["router"]["depends_on"]
     assert deps == {
+        "internal-token": {"condition": "service_completed_successfully"},
         "prefill": {"condition": "service_healthy"},
         "decode": {"condition": "service_healthy"},
     }
@@ -352,7 +369,8 @@ def test_ports_and_addresses_agree(base_cfg):
 
 def test_cpu_override_removes_the_gpus_and_switches_to_the_cpu_build(tmp_path):
     cfg = cpu_config(tmp_path)
-    assert set(cfg["services"]) == {"router", "prefill", "decode", "prometheus", "grafana"}
+    assert set(cfg["services"]) == {"internal-token", "router", "prefill", "decode", "prometheus", "grafana"}
+    assert cfg["services"]["internal-token"]["image"] == "pdmesh:cpu"
     for name in PDMESH_SERVICES:
         svc = cfg["services"][name]
         devices = svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices")
@@ -400,7 +418,7 @@ def test_scaling_example_gives_every_worker_its_own_gpu_and_the_router_every_wor
             assert len(owners) == 1, f"router address {addr} is ambiguous: {owners}"
     # Prometheus' DNS discovery of "decode" finds both decode workers
     assert sorted(n for n, a in aliases.items() if "decode" in a) == ["decode", "decode-2"]
-    assert set(cfg["router"]["depends_on"]) == set(workers)
+    assert set(cfg["router"]["depends_on"]) == {*workers, "internal-token"}
 
 
 # --- Dockerfile -------------------------------------------------------------------------------

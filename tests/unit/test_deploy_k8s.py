@@ -152,3 +152,16 @@ def test_podmonitor_scrapes_the_http_port_with_the_alert_job_names():
         tmpl = objects()[("Deployment", f"pdmesh-{role}")]["spec"]["template"]
         assert labels.items() <= tmpl["metadata"]["labels"].items()
         assert any(p["name"] == "http" for c in tmpl["spec"]["containers"] for p in c["ports"])
+
+
+def test_workers_require_the_internal_token_secret_and_the_router_reads_it():
+    objs = objects()
+    for role in ("prefill", "decode"):
+        (c,) = objs[("Deployment", f"pdmesh-{role}")]["spec"]["template"]["spec"]["containers"]
+        assert flag_value(c["args"], "--host") == "0.0.0.0"  # beyond loopback: a token is a must
+        (env,) = [e for e in c["env"] if e["name"] == "PDMESH_INTERNAL_TOKEN"]
+        ref = env["valueFrom"]["secretKeyRef"]
+        assert ref["name"] == "pdmesh-secrets" and ref["key"] == "PDMESH_INTERNAL_TOKEN"
+        assert not ref.get("optional", False), f"{role}: the pod must not start without the token"
+    (router,) = objs[("Deployment", "pdmesh-router")]["spec"]["template"]["spec"]["containers"]
+    assert any(src.get("secretRef", {}).get("name") == "pdmesh-secrets" for src in router["envFrom"])

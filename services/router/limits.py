@@ -1,0 +1,56 @@
+"""What one request may send the workers: a request's size must never hurt another request.
+
+Every choice of a request is one Prefill call and one Decode call, each carrying the prompt's ids
+and the grammar; the lane batches calls to one worker into one message (services/router/lane.py).
+So the router bounds, before anything is compiled or sent:
+
+- a grammar (structured output, or the grammar of a forced tool call): `--max-grammar-bytes`;
+- the request's whole load on the workers, n × (prompt ids + grammar): `--max-request-worker-bytes`.
+
+Both refusals are a 400 naming the limit and its flag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.router.errors import bad_request
+
+# A token id travels as a varint: at most 5 bytes for ids below 2**35. Counted at that bound so the
+# limit does not depend on the vocabulary.
+BYTES_PER_TOKEN_ID = 5
+# The rest of a call (room, addresses, sampling fields, stop strings): a generous constant
+PER_CALL_OVERHEAD_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_grammar_bytes: int = 1024 * 1024
+    max_request_worker_bytes: int = 16 * 1024 * 1024
+
+
+DEFAULT_LIMITS = RequestLimits()
+
+
+def check_grammar_size(source: str, param: str, limits: RequestLimits) -> None:
+    size = len(source.encode("utf-8", errors="replace"))
+    if size > limits.max_grammar_bytes:
+        raise bad_request(
+            f"The grammar of '{param}' is {size} bytes; at most {limits.max_grammar_bytes} are allowed "
+            "(the router's --max-grammar-bytes).", param=param, code="grammar_too_large")
+
+
+def call_bytes(prompt_ids: int, grammar: tuple[str, str] | None) -> int:
+    """An upper bound of the bytes one call of a choice carries."""
+    return PER_CALL_OVERHEAD_BYTES + BYTES_PER_TOKEN_ID * prompt_ids + (len(grammar[1].encode()) if grammar else 0)
+
+
+def check_request_size(n: int, prompt_ids: int, grammar: tuple[str, str] | None, param: str,
+                       limits: RequestLimits) -> None:
+    total = n * call_bytes(prompt_ids, grammar)
+    if total > limits.max_request_worker_bytes:
+        raise bad_request(
+            f"The request would send the workers {total} bytes (n = {n} × a prompt of {prompt_ids} tokens"
+            f"{' and a grammar' if grammar else ''}); at most {limits.max_request_worker_bytes} are allowed "
+            "(the router's --max-request-worker-bytes). Send a smaller n, prompt or schema.",
+            param=param, code="request_too_large")

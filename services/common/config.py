@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, make_dataclass
 from typing import Any
@@ -163,13 +164,59 @@ ROUTER_FLAGS = [
 ]
 
 
+# Kubernetes injects `<SERVICE>_PORT=tcp://10.0.0.1:8000` (and `udp://`, `sctp://`) into every pod
+# for every Service in the namespace unless the pod sets `enableServiceLinks: false`; a Service
+# named `pdmesh` therefore sets PDMESH_PORT, the router's --port twin. Such a value is never a
+# setting someone meant for us.
+_SERVICE_LINK = re.compile(r"(tcp|udp|sctp)://[^\s/]+:\d+")
+_ignored_env: list[str] = []
+
+
+@dataclass(frozen=True)
+class _MalformedTwin:
+    """An env twin that did not parse; it only matters if its flag is not given."""
+
+    flag: Flag
+    raw: str
+    reason: str
+
+    @property
+    def service_link(self) -> bool:
+        return bool(_SERVICE_LINK.fullmatch(self.raw.strip()))
+
+
+def _parse_env(flag: Flag, raw: str) -> Any:
+    if flag.repeatable:
+        return [flag.type(x.strip()) for x in raw.split(",") if x.strip()]
+    return (_bool if flag.type is bool else flag.type)(raw)
+
+
 def _from_env(flag: Flag) -> Any:
     raw = os.environ.get(flag.env)
     if raw is None:
         return flag.default
-    if flag.repeatable:
-        return [flag.type(x.strip()) for x in raw.split(",") if x.strip()]
-    return (_bool if flag.type is bool else flag.type)(raw)
+    try:
+        return _parse_env(flag, raw)
+    except (ValueError, TypeError, argparse.ArgumentTypeError) as e:
+        return _MalformedTwin(flag, raw, str(e))
+
+
+def ignored_env_twins() -> list[str]:
+    """Env twins this process ignored as Kubernetes service links (one sentence each), for the
+    service to log once logging is set up."""
+    return list(_ignored_env)
+
+
+def _resolve_malformed(parser: argparse.ArgumentParser, bad: _MalformedTwin) -> Any:
+    """A twin that did not parse, for a flag not given: a service link falls back to the
+    default (and is reported); anything else stops the service with a message naming it."""
+    f = bad.flag
+    if bad.service_link:
+        _ignored_env.append(f"{f.env}={bad.raw!r} looks like a Kubernetes service link, not a setting: "
+                            f"ignored, --{f.name} is {f.default!r} (set enableServiceLinks: false)")
+        return f.default
+    parser.error(f"environment variable {f.env}={bad.raw!r} is not a valid value for --{f.name} "
+                 f"({bad.reason}); fix or unset it, or give --{f.name}")
 
 
 def build_parser(prog: str, description: str, flags: Sequence[Flag]) -> argparse.ArgumentParser:
@@ -191,13 +238,22 @@ def build_parser(prog: str, description: str, flags: Sequence[Flag]) -> argparse
 
 
 def parse_args(prog: str, description: str, flags: Sequence[Flag], argv: Sequence[str] | None = None):
-    args = build_parser(prog, description, flags).parse_args(argv)
+    """Flags win; an env twin counts only for a flag not given, so a malformed twin (a Kubernetes
+    service link in PDMESH_PORT) never stops a service that was given the flag."""
+    parser = build_parser(prog, description, flags)
+    args = parser.parse_args(argv)
     for f in flags:
+        value = getattr(args, f.dest)
         if f.repeatable:
             # command-line values replace the env twin; commas separate values in both
-            given = getattr(args, f.dest)
-            values = _from_env(f) if given is None else given
+            values = _from_env(f) if value is None else value
+            if isinstance(values, _MalformedTwin):
+                values = _resolve_malformed(parser, values)
             setattr(args, f.dest, [x.strip() for v in values for x in str(v).split(",") if x.strip()])
+        elif isinstance(value, _MalformedTwin):
+            setattr(args, f.dest, _resolve_malformed(parser, value))
+        elif f.choices and value not in f.choices:
+            parser.error(f"environment variable {f.env}={value!r} is not one of {list(f.choices)}")
     return args
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from services.common.config import DecodeSettings, PrefillSettings
+from services.common.config import DecodeSettings, PrefillSettings, ignored_env_twins
 from services.common.faults import Faults
 from services.common.forward_watch import watch_forwards
 from services.common.grpc_server import bind, new_server
@@ -34,6 +34,8 @@ def start_worker_process(role: str, args: PrefillSettings | DecodeSettings) -> t
     loudly when any fault is on)."""
     worker_id = args.worker_id or default_worker_id(role, args.grpc_port)
     configure_logging(args.log_level, args.log_format, service=role, worker=worker_id)
+    for notice in ignored_env_twins():
+        get_logger(role).warning(notice)
     faults = Faults.parse(args.faults)
     if faults.active():
         get_logger(role).warning("FAULT INJECTION ACTIVE: this worker misbehaves on purpose", faults=faults.active())

@@ -7,7 +7,7 @@ import sys
 
 import uvicorn
 
-from services.common.config import ROUTER_FLAGS, parse_args
+from services.common.config import ROUTER_FLAGS, ignored_env_twins, parse_args
 from services.common.grpc_server import configure_internal_token
 from services.common.logging_setup import configure_logging, get_logger
 from services.common.parent_death import die_with
@@ -30,6 +30,8 @@ def main(argv=None) -> None:
     name = f"router-{args.host}-{args.port}" + (f"-p{child[0]}" if child else "")
     configure_logging(args.log_level, args.log_format, service="router", worker=name)
     log = get_logger("router")
+    for notice in ignored_env_twins():
+        log.warning(notice)
     if not args.decode or (args.mode == "pd" and not args.prefill):
         log.error("at least one --decode and (in --mode pd) one --prefill worker address are required")
         sys.exit(2)

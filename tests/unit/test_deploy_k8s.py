@@ -152,3 +152,11 @@ def test_podmonitor_scrapes_the_http_port_with_the_alert_job_names():
         tmpl = objects()[("Deployment", f"pdmesh-{role}")]["spec"]["template"]
         assert labels.items() <= tmpl["metadata"]["labels"].items()
         assert any(p["name"] == "http" for c in tmpl["spec"]["containers"] for p in c["ports"])
+
+
+def test_pods_get_no_service_link_variables():
+    """Without this, a Service named pdmesh (or pdmesh-http, pdmesh-grpc) would inject
+    PDMESH_PORT=tcp://IP:PORT into every pod, a PDMESH_* twin of a flag."""
+    for (kind, name), obj in objects().items():
+        if kind == "Deployment":
+            assert obj["spec"]["template"]["spec"]["enableServiceLinks"] is False, name

@@ -51,9 +51,15 @@ WORKER_FLAGS = [
          choices=("auto", "float32", "bfloat16", "float16")),
     Flag("host", str, "127.0.0.1", "address the gRPC and HTTP servers bind to"),
     Flag("worker-id", str, "", "stable name of this worker in logs and metrics (default: role-host-port)"),
+    Flag("served-model-name", str, "",
+         "the model's name in metrics (model_name label), as clients and the router call it; set it like "
+         "the router's flag of the same name (default: the model folder's name)"),
     Flag("page-size", int, 16, "tokens per KV page"),
     Flag("num-pages", int, 4096, "KV pages in this worker's pool (allocated once at start)"),
     Flag("watchdog-interval", float, 1.0, "seconds between watchdog sweeps (runs even when idle)"),
+    Flag("drain-timeout", float, 30.0,
+         "seconds a stopping worker (SIGTERM) waits for the rooms it holds to finish or move away while it "
+         "refuses new ones and reports NOT_SERVING (the router ejects it and migrates decode streams)"),
     Flag("forward-timeout", float, 300.0,
          "seconds one forward (one chunk, not a whole prompt) may run before its rooms fail and the worker turns NOT_SERVING"),
     Flag("faults", str, "", "fault injection spec, e.g. 'delay_forward=5,stall_transfer' (off by default)"),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 
 from services.common.logging_setup import get_logger
 from services.decode.jobs import Job, Phase
@@ -67,6 +68,7 @@ class Admission:
                 job.pages = self.pool.allocator.alloc(self.pool.pages_for_tokens(len(job.token_ids) + 1), owner=job.room)
             except OutOfPages:
                 return  # FIFO: the head waits for pages (bounded by --prealloc-timeout)
+            self.worker.metrics.observe(self.worker.metrics.queue_time, time.monotonic() - job.created_at)
             if job.colocated:
                 job.phase = Phase.PREFILLING
                 self.worker.scheduler.wake()

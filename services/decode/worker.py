@@ -68,7 +68,7 @@ class DecodeWorker:
         m.gauge_from("num_decode_transfer_queue_reqs", lambda: self._count(Phase.AWAITING_KV))
         m.gauge_from("num_running_reqs", lambda: self._count(Phase.RUNNING, Phase.PREFILLING))  # colocated prompts too
         m.gauge_from("num_retracted_reqs", lambda: self._count(Phase.RETRACTED))
-        m.gauge_from("token_usage", lambda: engine.pool.token_usage)
+        m.pool_gauges(engine.pool)
 
     # --- queries ---------------------------------------------------------------------------
     def _count(self, *phases: Phase) -> int:
@@ -200,7 +200,7 @@ class DecodeWorker:
             self.metrics.observe(self.metrics.inter_token_latency, now - job.last_token_at)
         job.last_token_at = now
         job.output.append(token)
-        self.metrics.inc(self.metrics.generation_tokens)
+        self.metrics.generated_tokens()
         finish = ""
         if is_stop(token, job.params, self.engine.config.eos_token_ids):
             finish = "stop"

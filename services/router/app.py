@@ -36,6 +36,7 @@ from starlette.requests import ClientDisconnect
 
 from services.common.logging_setup import bound_room, get_logger
 from services.common.metrics import CONTENT_TYPE, Metrics
+from services.common.model_name import served_name
 from services.common.tokenizer import BUILTIN_NAMES, Tokenizer, load_tokenizer
 from services.router import errors, openapi
 from services.router.errors import APIError
@@ -55,7 +56,6 @@ log = get_logger("router")
 
 # services/engine/builtin_model.py's values (the router must not import torch, so they are repeated)
 BUILTIN_CONTEXT_LENGTH = 8192
-BUILTIN_MODEL_NAME = "pdmesh-tiny"
 DEFAULT_CONTEXT_LENGTH = 4096  # what the engine assumes when config.json does not say
 PARSE_IN_THREAD_BYTES = 64 * 1024  # tokenize bigger bodies off the event loop
 CLIENT_CLOSED = 499  # nginx's "client closed request", for metrics and logs only
@@ -99,14 +99,6 @@ class RouterSettings:
     def from_args(cls, args: Any) -> RouterSettings:
         names = cls.__dataclass_fields__
         return cls(**{k: v for k, v in vars(args).items() if k in names})
-
-
-def served_name(model: str, explicit: str = "") -> str:
-    if explicit:
-        return explicit
-    if model in BUILTIN_NAMES:
-        return BUILTIN_MODEL_NAME  # the name the workers label their metrics with
-    return Path(model).resolve().name or model
 
 
 def context_length(model: str) -> int:

@@ -45,6 +45,8 @@ class WorkerEngine:
     def __init__(
         self, model_path: str, device: str, dtype: str, num_pages: int, page_size: int, faults: Faults | None = None
     ):
+        if faults is not None and faults.slow_load:
+            time.sleep(faults.slow_load)  # runs in the worker's load thread: its HTTP side keeps answering
         self.loaded: LoadedModel = load_model(model_path, device, None if dtype == "auto" else _DTYPES[dtype])
         self.config = self.loaded.config
         self.pool = KVPool(self.config, num_pages, page_size, self.loaded.device, self.loaded.dtype)

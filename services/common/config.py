@@ -132,6 +132,10 @@ ROUTER_FLAGS = [
          choices=("auto", "none", "hermes", "llama3_json")),
     Flag("api-key", str, "", "require 'Authorization: Bearer KEY' when set"),
     Flag("request-timeout", float, 600.0, "seconds after which a request fails with 504"),
+    Flag("shutdown-timeout", float, 60.0,
+         "seconds a stopping router (SIGTERM) keeps serving the requests it holds, streams included, while "
+         "it admits no new ones (503) and /health reports draining; what is left after it is cut. Keep it "
+         "under the termination grace period minus any preStop delay"),
     Flag("max-concurrent-requests", int, 256, "requests the router serves at once; beyond it new ones get 429"),
     Flag("max-body-bytes", int, 8 * 1024 * 1024, "largest request body in bytes; larger ones get 413 unparsed"),
     Flag("health-check-interval", float, 1.0, "seconds between gRPC health probes of each worker"),

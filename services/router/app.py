@@ -81,6 +81,7 @@ class RouterSettings:
     api_key: str = ""
     tool_call_parser: str = "auto"  # services/router/tool_parsers.py: auto | none | hermes | llama3_json
     request_timeout: float = 600.0
+    shutdown_timeout: float = 60.0  # services/router/main.py: uvicorn's graceful shutdown
     max_concurrent_requests: int = 256
     max_body_bytes: int = 8 * 1024 * 1024
     health_check_interval: float = 1.0
@@ -146,6 +147,7 @@ class Router:
             self.shared.claim()
             label += f"-p{settings.process_index}"
         self._active = 0
+        self.draining = False  # set on SIGTERM (begin_drain): admit nothing new, finish what is held
         self.metrics = Metrics("router", name, label)
         self.metrics.gauge_from("num_running_reqs", lambda: self.active)
         # the per-token metrics' labelled children, looked up once (labels() costs a lock and a dict per call)
@@ -188,6 +190,8 @@ class Router:
     def admit(self) -> None:
         """Take a slot under --max-concurrent-requests, which bounds the whole router: with
         --processes, every process's admitted requests count (shared_state.py), or 429."""
+        if self.draining:
+            raise errors.shutting_down()
         limit = self.settings.max_concurrent_requests
         if self.shared is None:
             if self._active >= limit:
@@ -195,6 +199,15 @@ class Router:
         elif not self.shared.try_admit(limit):
             raise errors.too_many_requests(limit)
         self._active += 1
+
+    def begin_drain(self) -> None:
+        """A graceful stop began: new generation requests get 503 (a client or load balancer
+        retries on another replica) and /health says draining, while the requests admitted so
+        far run to their end (uvicorn waits for them up to --shutdown-timeout)."""
+        if not self.draining:
+            self.draining = True
+            log.info("router draining", running_requests=self.active,
+                     shutdown_timeout=self.settings.shutdown_timeout)
 
     async def start(self) -> None:
         if self.siblings is not None:
@@ -607,8 +620,9 @@ def create_app(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> 
 
     @app.get("/health")
     async def health() -> Response:
-        ok = router.pool.has_healthy_pair()
-        body = {"status": "ok" if ok else "unavailable", "running_requests": router.active, **router.pool.status()}
+        ok = router.pool.has_healthy_pair() and not router.draining
+        status = "draining" if router.draining else "ok" if ok else "unavailable"
+        body = {"status": status, "running_requests": router.active, **router.pool.status()}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")

@@ -118,6 +118,15 @@ def too_many_requests(limit: int) -> APIError:
     )
 
 
+def shutting_down() -> APIError:
+    return APIError(
+        503,
+        "The router is shutting down; retry (another router replica takes the request).",
+        code="shutting_down",
+        headers={"Retry-After": "1"},
+    )
+
+
 def no_healthy_workers(what: str) -> APIError:
     return APIError(503, f"No healthy {what} worker is available.", code="no_healthy_workers")
 

@@ -39,6 +39,7 @@ from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.grpc_server import internal_channel
 from services.common.logging_setup import get_logger
+from services.common.mesh_protocol import MIN_PEER_VERSION, PROTOCOL_VERSION, incompatibility
 from services.common.metrics import Metrics
 from services.router.discovery import Resolver, resolve_specs, split_host_port, system_resolver
 from services.router.errors import no_healthy_workers
@@ -75,6 +76,7 @@ class Worker:
     peer_ejections: int = 0  # the other processes' ejections of it, as last read
     external_load: int = 0  # queued + running on the worker that are not ours (last Load report)
     last_error: str = ""
+    incompatible: str = ""  # why its protocol version does not fit this router's ("" when it does)
     last_change: float = field(default_factory=time.time)
     channel: grpc.aio.Channel | None = None
     stub: object | None = None
@@ -264,8 +266,15 @@ class WorkerPool:
         except Exception as e:  # noqa: BLE001 - any failure of the probe is a failed probe
             ok, error = False, repr(e)
         if ok:
+            problem = await self._read_load(w)
+            self._set_incompatible(w, problem)
+            if problem:  # serving, but not a worker this router can use: out at once, not after the threshold
+                w.failures += 1
+                w.last_error = problem
+                if w.healthy:
+                    self._mark(w, False, error)
+                return False
             w.failures = 0
-            await self._read_load(w)
             if not w.healthy:
                 self._mark(w, True, "health probe succeeded")
         else:
@@ -275,12 +284,25 @@ class WorkerPool:
                 self._mark(w, False, error)
         return ok
 
-    async def _read_load(self, w: Worker) -> None:
+    async def _read_load(self, w: Worker) -> str:
+        """The worker's load and protocol versions; returns why its version does not fit ("" if it does)."""
+        request = wpb.LoadRequest(protocol_version=PROTOCOL_VERSION, min_protocol_version=MIN_PEER_VERSION)
         try:
-            reply = await w.stub.Load(wpb.LoadRequest(), timeout=self.timeout)
-        except grpc.aio.AioRpcError:
-            return  # keep the last report; load is advisory, health decides admission
+            reply = await w.stub.Load(request, timeout=self.timeout)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # the worker refuses this router's version
+                return f"{w.role} {w.addr} refuses this router: {e.details()}"
+            return w.incompatible  # keep the last report; load is advisory, health decides admission
         w.external_load = max(0, reply.queued + reply.running - w.inflight - w.peer_inflight)
+        return incompatibility(f"{w.role} {w.addr}", reply.protocol_version, reply.min_protocol_version)
+
+    def _set_incompatible(self, w: Worker, problem: str) -> None:
+        if problem and problem != w.incompatible:
+            log.error("worker ejected: incompatible protocol version", role=w.role, target=w.addr, reason=problem,
+                      router_protocol_version=PROTOCOL_VERSION)
+        elif w.incompatible and not problem:
+            log.info("worker protocol version now compatible", role=w.role, target=w.addr)
+        w.incompatible = problem
 
     def _mark(self, w: Worker, healthy: bool, why: str) -> None:
         w.healthy = healthy

@@ -18,7 +18,7 @@ import grpc
 
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
-from services.common.lane_server import LaneServicerMixin
+from services.common.lane_server import LaneServicerMixin, refusing
 from services.common.logging_setup import bound_room, get_logger
 from services.common.mesh_protocol import MIN_PEER_VERSION, PROTOCOL_VERSION, incompatibility
 from services.common.wire import parse_request, top_logprobs_pb
@@ -35,6 +35,8 @@ class DecodeServicer(LaneServicerMixin, wpb_grpc.DecodeServicer):
         self.keepalive_interval = keepalive_interval
 
     async def Decode(self, request, context):
+        if refusing():  # stopping: the router fails this over at once
+            await context.abort(grpc.StatusCode.UNAVAILABLE, refusing())
         room = request.room
         with bound_room(room):
             ids = list(request.token_ids)

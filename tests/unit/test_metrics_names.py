@@ -117,3 +117,30 @@ def test_gen_throughput_gauge_follows_generated_tokens():
     f = families(d)
     assert f["pdmesh:gen_throughput"].samples[0].value == 4.0  # 40 tokens over the 10 s window
     assert [s.value for s in f["pdmesh:generation_tokens"].samples if s.name.endswith("_total")] == [40.0]
+
+
+# What SGLang's own Grafana dashboard (examples/monitoring/grafana/dashboards/json/
+# sglang-dashboard.json) queries, panel by panel. Its cache-hit-rate panel reads
+# cache_hit_rate, which the prefix cache exports.
+SGLANG_DASHBOARD_PANELS = {
+    "End-to-End Request Latency": ("e2e_request_latency_seconds_bucket", "e2e_request_latency_seconds_sum",
+                                   "e2e_request_latency_seconds_count"),
+    "End-to-End Request Latency(s) Heatmap": ("e2e_request_latency_seconds_bucket",),
+    "Time-To-First-Token Latency": ("time_to_first_token_seconds_bucket", "time_to_first_token_seconds_sum",
+                                    "time_to_first_token_seconds_count"),
+    "Time-To-First-Token Seconds Heatmap": ("time_to_first_token_seconds_bucket",),
+    "Num Running Requests": ("num_running_reqs",),
+    "Token Generation Throughput (Tokens / S)": ("gen_throughput",),
+    "Number Queued Requests": ("num_queue_reqs",),
+}
+
+
+def test_sglang_dashboard_ported_by_a_prefix_swap_finds_every_series():
+    from tests.unit.test_deploy_prometheus import exported_names
+
+    exported = set()
+    for role in ("prefill", "decode"):
+        exported |= exported_names(Metrics(role, "m", "w").exposition().decode())
+    for panel, names in SGLANG_DASHBOARD_PANELS.items():
+        missing = [n for n in names if "pdmesh:" + n not in exported]
+        assert not missing, f"SGLang's panel {panel!r} would find no {missing}"

@@ -149,7 +149,7 @@ async def run_worker(w: WorkerParts) -> None:
         forward_timeout=forward_timeout,
     )
     await install_stop_signals().wait()
-    refuse_new_calls(f"{w.role} worker stopping")  # calls on open lanes, as the server does new RPCs
+    refuse_new_calls(f"{w.role} worker stopping")  # new calls, on open lanes and as RPCs (the servicers ask)
     await state.problem("stopping", "graceful stop")
     w.metrics.set_serving(False)
     log.info(f"{w.role} worker stopping: draining", rooms=w.rooms(), drain_timeout=w.args.drain_timeout)

@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.lane_server import LaneServicerMixin
+from services.common.mesh_protocol import MIN_PEER_VERSION, PROTOCOL_VERSION
 from services.decode.jobs import Tokens, coalesce
 
 
@@ -76,6 +77,10 @@ class FakeWorker:
         self.health = _FakeHealth()
         self.port = 0
         self.lane = True
+        # the router-worker protocol versions its Load reports (services/common/mesh_protocol.py)
+        self.protocol_version = PROTOCOL_VERSION
+        self.min_protocol_version = MIN_PEER_VERSION
+        self.load_requests: list = []  # the LoadRequests the router sent (its versions)
 
     @property
     def addr(self) -> str:
@@ -112,6 +117,11 @@ class FakeWorker:
 
     async def Abort(self, request, context):  # noqa: N802
         return wpb.AbortRoomReply(found=False)
+
+    async def Load(self, request, context):  # noqa: N802
+        self.load_requests.append(request)
+        return wpb.LoadReply(protocol_version=self.protocol_version,
+                             min_protocol_version=self.min_protocol_version)
 
     async def Lane(self, request_iterator, context):  # noqa: N802
         """The lane, as the real workers have it (services/common/lane_server.py); `lane = False`:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, make_dataclass
 from typing import Any
@@ -50,6 +51,9 @@ WORKER_FLAGS = [
          choices=("auto", "float32", "bfloat16", "float16")),
     Flag("host", str, "127.0.0.1", "address the gRPC and HTTP servers bind to"),
     Flag("worker-id", str, "", "stable name of this worker in logs and metrics (default: role-host-port)"),
+    Flag("served-model-name", str, "",
+         "the model's name in metrics (model_name label), as clients and the router call it; set it like "
+         "the router's flag of the same name (default: the model folder's name)"),
     Flag("page-size", int, 16, "tokens per KV page"),
     Flag("num-pages", int, 4096, "KV pages in this worker's pool (allocated once at start)"),
     Flag("watchdog-interval", float, 1.0, "seconds between watchdog sweeps (runs even when idle)"),
@@ -60,6 +64,9 @@ WORKER_FLAGS = [
          "on: prefill sends an XXH3-64 checksum of each room's KV pages and aux row, decode verifies it "
          "before the room's first step and fails the room (DATA_LOSS, the router fails over) on a mismatch; "
          "off: prefill sends none and decode checks none"),
+    Flag("drain-timeout", float, 30.0,
+         "seconds a stopping worker (SIGTERM) waits for the rooms it holds to finish or move away while it "
+         "refuses new ones and reports NOT_SERVING (the router ejects it and migrates decode streams)"),
     Flag("forward-timeout", float, 300.0,
          "seconds one forward (one chunk, not a whole prompt) may run before its rooms fail and the worker turns NOT_SERVING"),
     Flag("grammar-step-budget", float, 0.2,
@@ -138,6 +145,10 @@ ROUTER_FLAGS = [
          choices=("auto", "none", "hermes", "llama3_json")),
     Flag("api-key", str, "", "require 'Authorization: Bearer KEY' when set"),
     Flag("request-timeout", float, 600.0, "seconds after which a request fails with 504"),
+    Flag("shutdown-timeout", float, 60.0,
+         "seconds a stopping router (SIGTERM) keeps serving the requests it holds, streams included, while "
+         "it admits no new ones (503) and /health reports draining; what is left after it is cut. Keep it "
+         "under the termination grace period minus any preStop delay"),
     Flag("max-concurrent-requests", int, 256,
          "the router's admission budget, in choices (what the workers hold: a request with n = 4 takes 4): "
          "a request that would take it past the budget gets 429, one with n above the whole budget 400"),
@@ -217,13 +228,59 @@ ROUTER_FLAGS = [
 ]
 
 
+# Kubernetes injects `<SERVICE>_PORT=tcp://10.0.0.1:8000` (and `udp://`, `sctp://`) into every pod
+# for every Service in the namespace unless the pod sets `enableServiceLinks: false`; a Service
+# named `pdmesh` therefore sets PDMESH_PORT, the router's --port twin. Such a value is never a
+# setting someone meant for us.
+_SERVICE_LINK = re.compile(r"(tcp|udp|sctp)://[^\s/]+:\d+")
+_ignored_env: list[str] = []
+
+
+@dataclass(frozen=True)
+class _MalformedTwin:
+    """An env twin that did not parse; it only matters if its flag is not given."""
+
+    flag: Flag
+    raw: str
+    reason: str
+
+    @property
+    def service_link(self) -> bool:
+        return bool(_SERVICE_LINK.fullmatch(self.raw.strip()))
+
+
+def _parse_env(flag: Flag, raw: str) -> Any:
+    if flag.repeatable:
+        return [flag.type(x.strip()) for x in raw.split(",") if x.strip()]
+    return (_bool if flag.type is bool else flag.type)(raw)
+
+
 def _from_env(flag: Flag) -> Any:
     raw = os.environ.get(flag.env)
     if raw is None:
         return flag.default
-    if flag.repeatable:
-        return [flag.type(x.strip()) for x in raw.split(",") if x.strip()]
-    return (_bool if flag.type is bool else flag.type)(raw)
+    try:
+        return _parse_env(flag, raw)
+    except (ValueError, TypeError, argparse.ArgumentTypeError) as e:
+        return _MalformedTwin(flag, raw, str(e))
+
+
+def ignored_env_twins() -> list[str]:
+    """Env twins this process ignored as Kubernetes service links (one sentence each), for the
+    service to log once logging is set up."""
+    return list(_ignored_env)
+
+
+def _resolve_malformed(parser: argparse.ArgumentParser, bad: _MalformedTwin) -> Any:
+    """A twin that did not parse, for a flag not given: a service link falls back to the
+    default (and is reported); anything else stops the service with a message naming it."""
+    f = bad.flag
+    if bad.service_link:
+        _ignored_env.append(f"{f.env}={bad.raw!r} looks like a Kubernetes service link, not a setting: "
+                            f"ignored, --{f.name} is {f.default!r} (set enableServiceLinks: false)")
+        return f.default
+    parser.error(f"environment variable {f.env}={bad.raw!r} is not a valid value for --{f.name} "
+                 f"({bad.reason}); fix or unset it, or give --{f.name}")
 
 
 def build_parser(prog: str, description: str, flags: Sequence[Flag]) -> argparse.ArgumentParser:
@@ -245,13 +302,22 @@ def build_parser(prog: str, description: str, flags: Sequence[Flag]) -> argparse
 
 
 def parse_args(prog: str, description: str, flags: Sequence[Flag], argv: Sequence[str] | None = None):
-    args = build_parser(prog, description, flags).parse_args(argv)
+    """Flags win; an env twin counts only for a flag not given, so a malformed twin (a Kubernetes
+    service link in PDMESH_PORT) never stops a service that was given the flag."""
+    parser = build_parser(prog, description, flags)
+    args = parser.parse_args(argv)
     for f in flags:
+        value = getattr(args, f.dest)
         if f.repeatable:
             # command-line values replace the env twin; commas separate values in both
-            given = getattr(args, f.dest)
-            values = _from_env(f) if given is None else given
+            values = _from_env(f) if value is None else value
+            if isinstance(values, _MalformedTwin):
+                values = _resolve_malformed(parser, values)
             setattr(args, f.dest, [x.strip() for v in values for x in str(v).split(",") if x.strip()])
+        elif isinstance(value, _MalformedTwin):
+            setattr(args, f.dest, _resolve_malformed(parser, value))
+        elif f.choices and value not in f.choices:
+            parser.error(f"environment variable {f.env}={value!r} is not one of {list(f.choices)}")
     return args
 
 

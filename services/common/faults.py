@@ -22,9 +22,11 @@ is logged loudly at start so nobody runs a faulty worker by accident.
                           kv-heartbeat, watchdog, forward-watch, loop-lag, poller, http)
                           raises shortly after start; supervision must take the worker down
   fault_seed=N            seed of fail_forward's generator
+  slow_load=SECONDS       loading the model takes this much longer (a big checkpoint's load, so
+                          a test sees /health "loading" and /metrics answering meanwhile)
 
-The forward faults are applied by services/engine/worker_engine.py (both workers alike), the
-task crash by services/common/worker_lifecycle.py.
+The forward faults and slow_load are applied by services/engine/worker_engine.py (both workers
+alike), the task crash by services/common/worker_lifecycle.py.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ KNOWN: dict[str, tuple[type, object]] = {
     "hang_forward": (float, None),
     "crash_task": (str, None),
     "fault_seed": (int, None),
+    "slow_load": (float, None),
 }
 
 
@@ -66,6 +69,7 @@ class Faults:
     hang_forward: float = 0.0
     crash_task: str = ""
     fault_seed: int = 0
+    slow_load: float = 0.0
 
     @classmethod
     def parse(cls, spec: str) -> Faults:

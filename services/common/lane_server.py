@@ -63,6 +63,12 @@ def refuse_new_calls(reason: str) -> None:
     _refusing = reason
 
 
+def refusing() -> str:
+    """Why new calls are refused ("" while they are accepted): a stopping worker refuses new
+    Prefill / Decode calls made outside a lane too, while it drains the rooms it holds."""
+    return _refusing
+
+
 def _end(call: int, code: grpc.StatusCode, details: str = "") -> wpb.LaneReply:
     return wpb.LaneReply(call=call, end=wpb.LaneEnd(code=code.value[0], details=details))
 

@@ -1,6 +1,10 @@
 """Every Prometheus metric of pdmesh, defined here and nowhere else.
 
-Names follow SGLang's with a `pdmesh:` prefix, so dashboards port by swapping the prefix.
+The workers' names are SGLang's (0.5.x) with a `pdmesh:` prefix, so dashboards port by swapping
+the prefix; a series renamed to match SGLang keeps its former name as an alias for one release
+(`RENAMED`). The router's series have names of their own (`pdmesh:router_*`): it sees the same
+requests and tokens as the workers, so a `sum()` over one name must not count them twice.
+`model_name` is the served name (`--served-model-name`) on every role.
 Queue gauges are computed at scrape time from the live queues (set_function), never stale.
 """
 
@@ -11,20 +15,27 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
+
+from services.common.rate_window import RateWindow
 
 PREFIX = "pdmesh:"
 LABELS = ("model_name", "engine_type", "worker")
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# Inter-token gaps on a GPU are 1-10 ms: 1 ms steps there, coarser above.
+ITL_BUCKETS = (0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008, 0.009, 0.01, 0.0125, 0.015, 0.0175,
+               0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5, 5, 10, 30)
 BYTES_BUCKETS = tuple(float(4**i * 1024) for i in range(12))  # 1 KiB .. 4 GiB
 
 # Queue gauges per role (computed from live state at scrape time).
+POOL_GAUGES = ("token_usage", "num_used_tokens", "max_total_num_tokens")
 PREFILL_GAUGES = (
-    "num_prefill_bootstrap_queue_reqs",
+    "num_prefill_prealloc_queue_reqs",
     "num_prefill_inflight_queue_reqs",
     "num_queue_reqs",
     "num_running_reqs",
-    "token_usage",
+    *POOL_GAUGES,
     "cache_hit_rate",
     "prefix_cache_pages",
 )
@@ -33,11 +44,28 @@ DECODE_GAUGES = (
     "num_decode_transfer_queue_reqs",
     "num_running_reqs",
     "num_retracted_reqs",
-    "token_usage",
+    *POOL_GAUGES,
     "cache_hit_rate",
     "prefix_cache_pages",
 )
 ROUTER_GAUGES = ("num_running_reqs",)
+
+# Former name -> SGLang's name (without the prefix); the former is still exported, with the same
+# samples, until the next release. Dashboards and alerts should use the new names.
+RENAMED = {
+    "num_prefill_bootstrap_queue_reqs": "num_prefill_prealloc_queue_reqs",
+    "num_retractions": "num_retracted_requests",
+}
+
+# The router's names for what it measures of the requests it serves (client-side: TTFT and ITL
+# as the client sees them, tokens it streamed back). Prefixed `router_` so that `sum()` over a
+# worker name never adds the router's count of the same requests.
+ROUTER_OWN = frozenset({
+    "num_requests_total", "num_aborted_requests_total", "prompt_tokens_total", "generation_tokens_total",
+    "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+    "num_running_reqs",
+})
+GEN_THROUGHPUT_WINDOW = 10.0  # seconds of generated tokens gen_throughput averages over
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -50,16 +78,23 @@ class Metrics:
         self._children: dict[tuple, object] = {}  # child()'s series; label values come from small fixed sets
         self.labels = {"model_name": model_name, "engine_type": engine_type, "worker": worker}
         r = self.registry
+        router = engine_type == "router"
+
+        def full(name):
+            return PREFIX + ("router_" + name if router and name in ROUTER_OWN else name)
+
         gauge_names = {"prefill": PREFILL_GAUGES, "decode": DECODE_GAUGES, "router": ROUTER_GAUGES}[engine_type]
-        self._gauges = {n: Gauge(PREFIX + n, _GAUGE_HELP[n], LABELS, registry=r) for n in gauge_names}
-        self.up = Gauge(PREFIX + "up", "1 while this process serves", LABELS, registry=r)
-        self.up.labels(**self.labels).set(1)
+        self._gauges = {n: Gauge(full(n), _GAUGE_HELP[n], LABELS, registry=r) for n in gauge_names}
+        # 1 once this process serves; a worker's /metrics answers (at 0) while its model loads
+        self.up = Gauge(PREFIX + "up", "1 while this process serves (0 while a worker loads its model)",
+                        LABELS, registry=r)
+        self.set_serving(engine_type == "router")
 
         def counter(name, doc, extra=()):
-            return Counter(PREFIX + name, doc, LABELS + tuple(extra), registry=r)
+            return Counter(full(name), doc, LABELS + tuple(extra), registry=r)
 
         def histogram(name, doc, buckets=LATENCY_BUCKETS):
-            return Histogram(PREFIX + name, doc, LABELS, buckets=buckets, registry=r)
+            return Histogram(full(name), doc, LABELS, buckets=buckets, registry=r)
 
         self.num_requests = counter("num_requests_total", "requests received")
         self.num_aborted_requests = counter("num_aborted_requests_total", "requests aborted (client, peer or watchdog)")
@@ -73,7 +108,7 @@ class Metrics:
         )
         self.num_transfer_failed_reqs = counter("num_transfer_failed_reqs_total", "requests whose KV transfer failed")
         self.num_retractions = counter(
-            "num_retractions_total", "times decode retracted a running request for lack of KV pages"
+            "num_retracted_requests_total", "times decode retracted a running request for lack of KV pages"
         )
         if engine_type == "decode":
             self.num_retractions.labels(**self.labels)  # at 0 from the start, like the evictions
@@ -140,11 +175,33 @@ class Metrics:
             PREFIX + "worker_healthy", "1 if the router considers the worker healthy", LABELS + ("target",), registry=r
         )
         self.time_to_first_token = histogram("time_to_first_token_seconds", "time to first token")
-        self.inter_token_latency = histogram("inter_token_latency_seconds", "time between consecutive tokens")
+        self.inter_token_latency = histogram("inter_token_latency_seconds", "time between consecutive tokens",
+                                             ITL_BUCKETS)
         self.e2e_request_latency = histogram("e2e_request_latency_seconds", "end-to-end request latency")
+        self.queue_time = histogram(
+            "queue_time_seconds",
+            "prefill: from arrival (the wait for decode to attach included) to the first forward; "
+            "decode: from arrival to its KV pages being allocated",
+        )
         self.kv_transfer_latency = histogram("kv_transfer_latency_seconds", "KV transfer time (post to done)")
         self.kv_transfer_bytes = histogram("kv_transfer_bytes", "bytes of KV sent per request", BYTES_BUCKETS)
         self.event_loop_lag = histogram("event_loop_lag_seconds", "asyncio event loop scheduling lag")
+        self.generated = RateWindow(GEN_THROUGHPUT_WINDOW)
+        if engine_type == "decode":
+            Gauge(PREFIX + "gen_throughput", f"tokens generated per second over the last {GEN_THROUGHPUT_WINDOW:g} s",
+                  LABELS, registry=r).labels(**self.labels).set_function(self.generated.rate)
+        if engine_type == "prefill":
+            self.kv_transfer_latency_ms = Gauge(
+                PREFIX + "kv_transfer_latency_ms", "the last KV transfer's time, post to done, in ms", LABELS, registry=r)
+            self.kv_transfer_speed_gb_s = Gauge(
+                PREFIX + "kv_transfer_speed_gb_s", "the last KV transfer's speed in GB/s", LABELS, registry=r)
+            self.kv_transfer_total_mb = Gauge(
+                PREFIX + "kv_transfer_total_mb", "the last KV transfer's size in MB", LABELS, registry=r)
+        renamed = {"prefill": {"num_prefill_prealloc_queue_reqs": self._gauges.get("num_prefill_prealloc_queue_reqs")},
+                   "decode": {"num_retracted_requests": self.num_retractions}}.get(engine_type, {})
+        for old, new in RENAMED.items():
+            if new in renamed:
+                r.register(_Alias(renamed[new], PREFIX + old, PREFIX + new))
 
     def pairs_from(self, fn: Callable[[], list[tuple[str, str]]]) -> None:
         """`pdmesh:router_pair_marked{prefill,decode}` = 1 for each pair fn() lists, read at scrape
@@ -166,6 +223,28 @@ class Metrics:
     def gauge_from(self, name: str, fn: Callable[[], float]) -> None:
         self._gauges[name].labels(**self.labels).set_function(fn)
 
+    def set_serving(self, serving: bool) -> None:
+        self.up.labels(**self.labels).set(1 if serving else 0)
+
+    def pool_gauges(self, pool) -> None:
+        """token_usage, num_used_tokens and max_total_num_tokens of a KV pool (services/engine/kv_pool.py)."""
+        self.gauge_from("token_usage", lambda: pool.token_usage)
+        self.gauge_from("num_used_tokens", lambda: pool.allocator.num_used * pool.page_size)
+        self.gauge_from("max_total_num_tokens", lambda: pool.num_pages * pool.page_size)
+
+    def generated_tokens(self, n: int = 1) -> None:
+        """Tokens this decode worker generated: the counter and gen_throughput's window."""
+        self.child(self.generation_tokens).inc(n)
+        self.generated.add(n)
+
+    def transferred(self, seconds: float, nbytes: int) -> None:
+        """One KV transfer done (prefill): the histograms and SGLang's last-transfer gauges."""
+        self.observe(self.kv_transfer_latency, seconds)
+        self.observe(self.kv_transfer_bytes, nbytes)
+        self.child(self.kv_transfer_latency_ms).set(seconds * 1e3)
+        self.child(self.kv_transfer_total_mb).set(nbytes / 1e6)
+        self.child(self.kv_transfer_speed_gb_s).set(nbytes / 1e9 / seconds if seconds > 0 else 0.0)
+
     def child(self, metric, **extra):
         """The metric's series for this process's labels + `extra`, looked up once: labels() costs
         a lock, a dict and a tuple per call, and the router calls it several times per request."""
@@ -183,6 +262,23 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Alias:
+    """A metric's samples again under its former name (a custom collector, so the two never
+    disagree): one release of grace for dashboards that use the old name."""
+
+    def __init__(self, metric, old: str, new: str):
+        self.metric, self.old, self.new = metric, old, new
+
+    def collect(self):
+        for family in self.metric.collect():
+            alias = Metric(self.old, f"{family.documentation} (former name of {self.new}; removed next release)",
+                           family.type)
+            for sample in family.samples:
+                alias.add_sample(self.old + sample.name[len(self.new):], sample.labels, sample.value,
+                                 sample.timestamp, sample.exemplar)
+            yield alias
 
 
 def router_processes_exposition(configured: int, scraped: int) -> bytes:
@@ -203,11 +299,13 @@ ROUTER_CUTOFF_REASONS = ("header_timeout", "body_timeout", "write_timeout", "buf
 _EVICTION_QUEUES = {"prefill": ("bootstrap", "inflight"), "decode": ("prealloc", "transfer")}
 
 _GAUGE_HELP = {
-    "num_prefill_bootstrap_queue_reqs": "prefill requests waiting for decode to attach",
+    "num_prefill_prealloc_queue_reqs": "prefill requests waiting for decode to attach (SGLang's bootstrap queue)",
     "num_prefill_inflight_queue_reqs": "prefill requests whose KV is being sent to decode",
     "num_queue_reqs": "prefill requests waiting to be scheduled for a forward",
     "num_running_reqs": "requests in a forward (prefill), the decode batch (decode), or in flight (router)",
     "token_usage": "fraction of KV pages in use",
+    "num_used_tokens": "tokens the KV pages in use can hold (pages in use x page size)",
+    "max_total_num_tokens": "tokens the whole KV pool holds (pages x page size)",
     "num_decode_prealloc_queue_reqs": "decode requests waiting for KV pages",
     "num_decode_transfer_queue_reqs": "decode requests waiting for their KV to arrive",
     "num_retracted_reqs": "decode requests that gave up their KV pages (pool full) and wait to recompute",

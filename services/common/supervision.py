@@ -80,6 +80,13 @@ class Supervisor:
         task.add_done_callback(self._ended)
         return task
 
+    def watch(self, task: asyncio.Task, name: str) -> None:
+        """Supervise a task started before the supervisor (the HTTP side, serving while the model
+        loads); unlike spawned ones, stop() leaves it running for its owner to stop last."""
+        task.add_done_callback(self._ended)
+        if name == self.crash_task:
+            self.spawn(asyncio.Event().wait(), name)  # spawn makes it crash
+
     def start(self, name: str, fn: Callable[[], Awaitable[None]]) -> asyncio.Task:
         return self.spawn(fn(), name)  # type: ignore[arg-type]
 

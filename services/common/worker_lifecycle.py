@@ -3,6 +3,13 @@ HTTP and the timers, supervision of every long-lived task, the stuck-forward wat
 graceful stop. The role-specific parts come in as arguments, so this module imports neither
 torch nor nixl.
 
+The HTTP side (/metrics, /health) starts first, before the model loads (`start_status`):
+/health answers "loading" (503) and /metrics answers with `pdmesh:up` 0, so a rollout's long
+load looks like a worker loading, not like a worker down. A stop (SIGTERM) drains: the worker
+reports NOT_SERVING and refuses new calls, waits up to --drain-timeout for its rooms to finish
+or move (the router ejects a NOT_SERVING worker and migrates its decode streams), and keeps
+/metrics and /health answering to the end.
+
 Every long-lived task runs under services/common/supervision.py: if one ends while the worker
 runs, the worker turns NOT_SERVING and exits non-zero (EXIT_TASK_ENDED) for a restart. Task
 names (what `--faults crash_task=NAME` takes): the role's loops by their key in
@@ -10,23 +17,29 @@ names (what `--faults crash_task=NAME` takes): the role's loops by their key in
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
-from services.common.config import DecodeSettings, PrefillSettings
+from services.common.config import DecodeSettings, PrefillSettings, ignored_env_twins
 from services.common.faults import Faults
 from services.common.forward_watch import watch_forwards
 from services.common.grpc_server import bind, new_server
 from services.common.lane_server import refuse_new_calls
 from services.common.logging_setup import configure_logging, get_logger
 from services.common.metrics import Metrics
+from services.common.model_name import served_name
 from services.common.periodic import run_every
 from services.common.process import default_worker_id, install_stop_signals
+from services.common.status_server import StatusServer
 from services.common.supervision import ServingState, Supervisor
 from services.common.worker_http import probe_loop_lag, serve_worker_http
+
+DRAIN_POLL = 0.05  # seconds between looks at the rooms a stopping worker still holds
 
 
 def start_worker_process(role: str, args: PrefillSettings | DecodeSettings) -> tuple[str, Faults]:
@@ -34,10 +47,37 @@ def start_worker_process(role: str, args: PrefillSettings | DecodeSettings) -> t
     loudly when any fault is on)."""
     worker_id = args.worker_id or default_worker_id(role, args.grpc_port)
     configure_logging(args.log_level, args.log_format, service=role, worker=worker_id)
+    for notice in ignored_env_twins():
+        get_logger(role).warning(notice)
     faults = Faults.parse(args.faults)
     if faults.active():
         get_logger(role).warning("FAULT INJECTION ACTIVE: this worker misbehaves on purpose", faults=faults.active())
     return worker_id, faults
+
+
+class EarlyStatus:
+    """A worker's /metrics and /health from its first second: "loading" until run_worker
+    hands /health the serving body."""
+
+    def __init__(self, role: str, worker_id: str, metrics: Metrics):
+        self.metrics = metrics
+        self.since = time.monotonic()
+        model = metrics.labels["model_name"]
+        self.body: Callable[[], dict[str, Any]] = lambda: {
+            "status": "loading", "problems": {}, "role": role, "worker": worker_id, "model": model,
+            "loading_seconds": round(time.monotonic() - self.since, 1),
+        }
+        self.http: StatusServer | None = None
+
+
+async def start_status(role: str, args: PrefillSettings | DecodeSettings, worker_id: str) -> EarlyStatus:
+    """The worker's Metrics (model_name: the served name) and its HTTP side, serving before the
+    model loads."""
+    metrics = Metrics(role, served_name(args.model, args.served_model_name), worker_id)
+    status = EarlyStatus(role, worker_id, metrics)
+    status.http = await serve_worker_http(args.host, args.http_port, metrics, lambda: status.body())
+    get_logger(role).info(f"{role} worker loading", http=f"{args.host}:{args.http_port}", model=args.model)
+    return status
 
 
 @dataclass
@@ -48,6 +88,7 @@ class WorkerParts:
     engine: Any  # services.engine.worker_engine.WorkerEngine
     agent: Any  # services.transfer.nixl_agent.NixlAgent
     metrics: Metrics
+    status: EarlyStatus  # the HTTP side, already serving (start_status)
     poller: Any  # services.transfer.poller.ProgressPoller
     add_servicers: Callable[[grpc.aio.Server], None]
     grpc_services: tuple[str, ...]  # names reported by grpc.health.v1
@@ -58,6 +99,7 @@ class WorkerParts:
     # a forward ran past --forward-timeout: fail the rooms in it (UNAVAILABLE, reason names
     # the timeout). Runs on the loop while the forward is still stuck on the engine thread.
     on_stuck_forward: Callable[[str], None] = lambda reason: None
+    rooms: Callable[[], int] = lambda: 0  # rooms this worker holds: a stop waits for 0 (or --drain-timeout)
     faults: Faults = field(default_factory=Faults)  # crash_task applies here
 
 
@@ -87,7 +129,8 @@ async def run_worker(w: WorkerParts) -> None:
 
     interval = w.args.watchdog_interval
     forward_timeout = w.args.forward_timeout
-    http = await serve_worker_http(w.args.host, w.args.http_port, w.metrics, health_body, sup)
+    w.status.body = health_body
+    sup.watch(w.status.http.task, "http")
     w.poller.start(sup.spawn)
     for name, loop in w.loops.items():
         sup.start(name, loop)
@@ -95,6 +138,7 @@ async def run_worker(w: WorkerParts) -> None:
     sup.spawn(watch_forwards(w.engine, forward_timeout, interval, state, w.on_stuck_forward, w.role), "forward-watch")
     sup.spawn(probe_loop_lag(w.metrics), "loop-lag")
     await state.start()
+    w.metrics.set_serving(True)
     log.info(
         f"{w.role} worker ready",
         grpc=f"{w.args.host}:{w.args.grpc_port}",
@@ -105,15 +149,26 @@ async def run_worker(w: WorkerParts) -> None:
         forward_timeout=forward_timeout,
     )
     await install_stop_signals().wait()
-    refuse_new_calls(f"{w.role} worker stopping")  # calls on open lanes, as the server does new RPCs
-    log.info(f"{w.role} worker stopping")
+    refuse_new_calls(f"{w.role} worker stopping")  # new calls, on open lanes and as RPCs (the servicers ask)
     await state.problem("stopping", "graceful stop")
-    await server.stop(grace=2)
+    w.metrics.set_serving(False)
+    log.info(f"{w.role} worker stopping: draining", rooms=w.rooms(), drain_timeout=w.args.drain_timeout)
+    left = await drain(w.rooms, w.args.drain_timeout)
+    log.info(f"{w.role} worker drained" if left == 0 else f"{w.role} worker stopping with rooms left", rooms=left)
+    await server.stop(grace=1)  # what is left (the lanes themselves, rooms past the drain) is cancelled
     sup.stopping = True  # tasks ending from here on is the plan, not a failure
-    await http.stop()
     await sup.stop()
     for hook in w.on_stop:
         await hook()
     await w.poller.stop()
     w.agent.close()
     w.engine.shutdown()
+    await w.status.http.stop()  # last: scrapes and probes see the drain to its end
+
+
+async def drain(rooms: Callable[[], int], timeout: float) -> int:
+    """Wait until no room is held or `timeout` passed; returns the rooms still held."""
+    deadline = time.monotonic() + timeout
+    while (left := rooms()) and time.monotonic() < deadline:
+        await asyncio.sleep(DRAIN_POLL)
+    return left

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 
 from services.common.logging_setup import get_logger
 from services.decode.jobs import Job, Phase
@@ -73,6 +74,7 @@ class Admission:
                 self._take_pages(job)
             except OutOfPages:
                 return  # FIFO: the head waits for pages (bounded by --prealloc-timeout)
+            self.worker.metrics.observe(self.worker.metrics.queue_time, time.monotonic() - job.created_at)
             if job.colocated:
                 job.prefilled = job.usage_cached_tokens = job.cached_tokens
                 job.phase = Phase.PREFILLING

@@ -8,8 +8,7 @@ from services.common.bind_guard import refuse_insecure_bind
 from services.common.config import DecodeSettings, parse_settings
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.grpc_server import configure_internal_token
-from services.common.metrics import Metrics
-from services.common.worker_lifecycle import WorkerParts, run_worker, start_worker_process
+from services.common.worker_lifecycle import WorkerParts, run_worker, start_status, start_worker_process
 from services.decode import watchdog
 from services.decode.servicer import DecodeServicer
 from services.decode.worker import DecodeWorker
@@ -26,12 +25,15 @@ DESCRIPTION = "pdmesh decode worker: receives prompts' KV from prefill over NIXL
 async def serve(argv=None) -> None:
     args = parse_settings(DecodeSettings, "python -m services.decode", DESCRIPTION, argv)
     worker_id, faults = start_worker_process("decode", args)
+    status = await start_status("decode", args, worker_id)  # /metrics and /health while the model loads
+    metrics = status.metrics
     has_token = configure_internal_token(args.internal_token_file, args.internal_token)
     refuse_insecure_bind("decode", args.host, has_token, args.allow_insecure_bind)
     transport = configure_transport(args.advertise_host, args.host, args.transfer_tls,
                                     args.transfer_net_devices, args.transfer_tcp_user_timeout)
-    engine = WorkerEngine(args.model, args.device, args.dtype, args.num_pages, args.page_size, faults,
-                          prefix_cache=args.prefix_cache, grammar_step_budget=args.grammar_step_budget)
+    engine = await asyncio.to_thread(WorkerEngine, args.model, args.device, args.dtype, args.num_pages,
+                                     args.page_size, faults, prefix_cache=args.prefix_cache,
+                                     grammar_step_budget=args.grammar_step_budget)
     agent = NixlAgent.for_pool("decode", engine.pool)
     receiver = KVReceiver(agent, engine.pool, verify_checksum=args.kv_checksum, corrupt_kv=faults.corrupt_kv,
                           fault_seed=faults.fault_seed)
@@ -42,7 +44,6 @@ async def serve(argv=None) -> None:
         heartbeat_max_failures=args.heartbeat_max_failures,
         forward_timeout=args.forward_timeout,
     )
-    metrics = Metrics("decode", engine.model_name, worker_id)
     worker = DecodeWorker(
         engine, receiver, coordinator, metrics, faults, args.max_running_requests, args.chunked_prefill_size,
         quarantine_max=args.transfer_timeout, quarantine_retry=min(args.heartbeat_interval, 1.0),
@@ -61,6 +62,8 @@ async def serve(argv=None) -> None:
             engine=engine,
             agent=agent,
             metrics=metrics,
+            status=status,
+            rooms=lambda: len(worker.jobs),
             poller=ProgressPoller.attach(receiver),
             add_servicers=lambda server: wpb_grpc.add_DecodeServicer_to_server(DecodeServicer(worker, args.keepalive_interval), server),
             grpc_services=("pdmesh.v1.Decode",),

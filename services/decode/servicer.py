@@ -18,8 +18,9 @@ import grpc
 
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
-from services.common.lane_server import LaneServicerMixin
+from services.common.lane_server import LaneServicerMixin, refusing
 from services.common.logging_setup import bound_room, get_logger
+from services.common.mesh_protocol import MIN_PEER_VERSION, PROTOCOL_VERSION, incompatibility
 from services.common.wire import parse_request, top_logprobs_pb
 from services.decode.jobs import coalesce
 from services.decode.worker import DecodeFailed, DecodeWorker
@@ -34,6 +35,8 @@ class DecodeServicer(LaneServicerMixin, wpb_grpc.DecodeServicer):
         self.keepalive_interval = keepalive_interval
 
     async def Decode(self, request, context):
+        if refusing():  # stopping: the router fails this over at once
+            await context.abort(grpc.StatusCode.UNAVAILABLE, refusing())
         room = request.room
         with bound_room(room):
             ids = list(request.token_ids)
@@ -103,8 +106,13 @@ class DecodeServicer(LaneServicerMixin, wpb_grpc.DecodeServicer):
             return wpb.AbortRoomReply(found=found)
 
     async def Load(self, request, context):
+        problem = incompatibility("the router", request.protocol_version, request.min_protocol_version)
+        if problem:
+            log.error("router refused: incompatible protocol version", reason=problem)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         queued, running = self.worker.load()
-        return wpb.LoadReply(queued=queued, running=running, token_usage=self.worker.engine.pool.token_usage)
+        return wpb.LoadReply(queued=queued, running=running, token_usage=self.worker.engine.pool.token_usage,
+                             protocol_version=PROTOCOL_VERSION, min_protocol_version=MIN_PEER_VERSION)
 
     async def ResetPrefixCache(self, request, context):
         dropped = self.worker.reset_prefix_cache()

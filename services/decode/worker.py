@@ -69,7 +69,7 @@ class DecodeWorker:
         m.gauge_from("num_decode_transfer_queue_reqs", lambda: self._count(Phase.AWAITING_KV))
         m.gauge_from("num_running_reqs", lambda: self._count(Phase.RUNNING, Phase.PREFILLING))  # colocated prompts too
         m.gauge_from("num_retracted_reqs", lambda: self._count(Phase.RETRACTED))
-        m.gauge_from("token_usage", lambda: engine.pool.token_usage)
+        m.pool_gauges(engine.pool)
         watch_prefix_cache(m, engine.prefix_cache)
 
     # --- queries ---------------------------------------------------------------------------
@@ -241,7 +241,7 @@ class DecodeWorker:
                 self.metrics.observe(self.metrics.time_to_first_token, now - job.created_at)
             else:
                 self.metrics.observe(self.metrics.inter_token_latency, now - job.last_token_at)
-            self.metrics.inc(self.metrics.generation_tokens)
+            self.metrics.generated_tokens()
         job.last_token_at = now
         job.output.append(token)
         finish = ""

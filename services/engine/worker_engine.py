@@ -48,6 +48,8 @@ class WorkerEngine:
         prefix_cache: bool = False,
         grammar_step_budget: float = DEFAULT_STEP_BUDGET,
     ):
+        if faults is not None and faults.slow_load:
+            time.sleep(faults.slow_load)  # runs in the worker's load thread: its HTTP side keeps answering
         self.loaded: LoadedModel = load_model(model_path, device, None if dtype == "auto" else _DTYPES[dtype])
         self.config = self.loaded.config
         self.pool = KVPool(self.config, num_pages, page_size, self.loaded.device, self.loaded.dtype)

@@ -9,8 +9,7 @@ from services.common.bind_guard import refuse_insecure_bind
 from services.common.config import PrefillSettings, parse_settings
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.grpc_server import configure_internal_token
-from services.common.metrics import Metrics
-from services.common.worker_lifecycle import WorkerParts, run_worker, start_worker_process
+from services.common.worker_lifecycle import WorkerParts, run_worker, start_status, start_worker_process
 from services.engine.worker_engine import WorkerEngine
 from services.prefill import watchdog
 from services.prefill.servicer import PrefillServicer
@@ -27,12 +26,15 @@ DESCRIPTION = "pdmesh prefill worker: computes prompts' KV cache and sends it to
 async def serve(argv=None) -> None:
     args = parse_settings(PrefillSettings, "python -m services.prefill", DESCRIPTION, argv)
     worker_id, faults = start_worker_process("prefill", args)
+    status = await start_status("prefill", args, worker_id)  # /metrics and /health while the model loads
+    metrics = status.metrics
     has_token = configure_internal_token(args.internal_token_file, args.internal_token)
     refuse_insecure_bind("prefill", args.host, has_token, args.allow_insecure_bind)
     transport = configure_transport(args.advertise_host, args.host, args.transfer_tls,
                                     args.transfer_net_devices, args.transfer_tcp_user_timeout)
-    engine = WorkerEngine(args.model, args.device, args.dtype, args.num_pages, args.page_size, faults,
-                          prefix_cache=args.prefix_cache, grammar_step_budget=args.grammar_step_budget)
+    engine = await asyncio.to_thread(WorkerEngine, args.model, args.device, args.dtype, args.num_pages,
+                                     args.page_size, faults, prefix_cache=args.prefix_cache,
+                                     grammar_step_budget=args.grammar_step_budget)
     agent = NixlAgent.for_pool("prefill", engine.pool)
     sender = KVSender(
         agent,
@@ -46,7 +48,6 @@ async def serve(argv=None) -> None:
         misroute_kv=faults.misroute_kv,
         fault_seed=faults.fault_seed,
     )
-    metrics = Metrics("prefill", engine.model_name, worker_id)
     worker = PrefillWorker(engine, sender, metrics, faults, args.chunked_prefill_size)
 
     def add_servicers(server):
@@ -62,6 +63,8 @@ async def serve(argv=None) -> None:
             engine=engine,
             agent=agent,
             metrics=metrics,
+            status=status,
+            rooms=lambda: len(worker.jobs),
             poller=ProgressPoller.attach(sender),
             add_servicers=add_servicers,
             grpc_services=("pdmesh.v1.Prefill", "pdmesh.v1.KVBootstrap"),

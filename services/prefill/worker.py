@@ -76,11 +76,11 @@ class PrefillWorker:
         sender.on_terminal = self._on_sender_terminal
         sender.on_attached = lambda _room: self.kick()
         m = metrics
-        m.gauge_from("num_prefill_bootstrap_queue_reqs", lambda: self._count(Phase.QUEUED, RoomState.BOOTSTRAPPING))
+        m.gauge_from("num_prefill_prealloc_queue_reqs", lambda: self._count(Phase.QUEUED, RoomState.BOOTSTRAPPING))
         m.gauge_from("num_queue_reqs", lambda: self._count(Phase.QUEUED, RoomState.WAITING_FOR_INPUT))
         m.gauge_from("num_running_reqs", lambda: self._count(Phase.FORWARD))
         m.gauge_from("num_prefill_inflight_queue_reqs", lambda: self._count(Phase.INFLIGHT))
-        m.gauge_from("token_usage", lambda: engine.pool.token_usage)
+        m.pool_gauges(engine.pool)
         watch_prefix_cache(m, engine.prefix_cache)
 
     # --- queries ---------------------------------------------------------------------------
@@ -189,8 +189,7 @@ class PrefillWorker:
             return
         if state == RoomState.SUCCESS:
             seconds = (r.done_at or time.monotonic()) - (r.posted_at or time.monotonic())
-            self.metrics.observe(self.metrics.kv_transfer_latency, seconds)
-            self.metrics.observe(self.metrics.kv_transfer_bytes, r.nbytes)
+            self.metrics.transferred(seconds, r.nbytes)
             self.finish(job, PrefillResult(job.first_token, job.first_logprob, len(job.token_ids), r.nbytes, seconds,
                                            job.first_top, job.cached_tokens))
         else:
@@ -279,6 +278,10 @@ class PrefillWorker:
 
         self._forward = [j for j, _ in batch] + [f for f, _ in copies]
         self._pinned = [ld for _, ld in copies if ld not in self._forward]
+        now = time.monotonic()
+        for j, _ in batch:
+            if j.prefilled == 0:  # its first forward: the end of its time in the queues
+                self.metrics.observe(self.metrics.queue_time, now - j.created_at)
         for j in self._forward:
             j.phase = Phase.FORWARD
         error: Exception | None = None

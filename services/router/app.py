@@ -41,6 +41,7 @@ from starlette.requests import ClientDisconnect
 
 from services.common.logging_setup import bound_room, get_logger
 from services.common.metrics import CONTENT_TYPE, Metrics
+from services.common.model_name import served_name
 from services.common.tokenizer import (
     BUILTIN_NAMES,
     BUILTIN_RANDOM,
@@ -70,7 +71,6 @@ log = get_logger("router")
 
 # services/engine/builtin_model.py's values (the router must not import torch, so they are repeated)
 BUILTIN_CONTEXT_LENGTH = 8192
-BUILTIN_MODEL_NAME = "pdmesh-tiny"
 DEFAULT_CONTEXT_LENGTH = 4096  # what the engine assumes when config.json does not say
 PARSE_IN_THREAD_BYTES = 64 * 1024  # tokenize bigger bodies off the event loop
 CLIENT_CLOSED = 499  # nginx's "client closed request", for metrics and logs only
@@ -96,6 +96,7 @@ class RouterSettings:
     api_key: str = ""
     tool_call_parser: str = "auto"  # services/router/tool_parsers.py: auto | none | hermes | llama3_json
     request_timeout: float = 600.0
+    shutdown_timeout: float = 60.0  # services/router/main.py: uvicorn's graceful shutdown
     max_concurrent_requests: int = 256  # choices, not HTTP requests
     max_body_bytes: int = 8 * 1024 * 1024
     body_timeout: float = 30.0
@@ -124,14 +125,6 @@ class RouterSettings:
     def from_args(cls, args: Any) -> RouterSettings:
         names = cls.__dataclass_fields__
         return cls(**{k: v for k, v in vars(args).items() if k in names})
-
-
-def served_name(model: str, explicit: str = "") -> str:
-    if explicit:
-        return explicit
-    if model in BUILTIN_NAMES:
-        return BUILTIN_MODEL_NAME  # the name the workers label their metrics with
-    return Path(model).resolve().name or model
 
 
 def context_length(model: str) -> int:
@@ -194,6 +187,7 @@ class Router:
             label += f"-p{settings.process_index}"
         self._active = 0
         self._body_reads = 0  # request bodies being read (--max-body-reads)
+        self.draining = False  # set on SIGTERM (begin_drain): admit nothing new, finish what is held
         self.metrics = Metrics("router", name, label)
         self.metrics.gauge_from("num_running_reqs", lambda: self.active)
         # the per-token metrics' labelled children, looked up once (labels() costs a lock and a dict per call)
@@ -241,6 +235,8 @@ class Router:
     def check_capacity(self) -> None:
         """429 while the budget is spent, before any of the body is read: an overloaded router
         refuses without spending work on the request."""
+        if self.draining:
+            raise errors.shutting_down()
         limit = self.settings.max_concurrent_requests
         taken = self._active if self.shared is None else self._active + self.shared.peers_active()
         if taken >= limit:
@@ -251,6 +247,8 @@ class Router:
         --max-concurrent-requests, which bounds the whole router: with --processes, every
         process's admitted choices count (shared_state.py). 400 for more than the whole budget,
         429 for more than is left."""
+        if self.draining:
+            raise errors.shutting_down()
         limit = self.settings.max_concurrent_requests
         if cost > limit:
             raise errors.choices_over_budget(cost, limit)
@@ -260,6 +258,15 @@ class Router:
         elif not self.shared.try_admit(limit, cost):
             raise errors.too_many_requests(limit)
         self._active += cost
+
+    def begin_drain(self) -> None:
+        """A graceful stop began: new generation requests get 503 (a client or load balancer
+        retries on another replica) and /health says draining, while the requests admitted so
+        far run to their end (uvicorn waits for them up to --shutdown-timeout)."""
+        if not self.draining:
+            self.draining = True
+            log.info("router draining", running_requests=self.active,
+                     shutdown_timeout=self.settings.shutdown_timeout)
 
     async def start(self) -> None:
         if self.siblings is not None:
@@ -725,9 +732,10 @@ def create_app(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> 
 
     @app.get("/health")
     async def health() -> Response:
-        ok = router.pool.has_healthy_pair()
-        body = {"status": "ok" if ok else "unavailable", "running_requests": router.active, **router.pool.status()}
-        if not ok:
+        ok = router.pool.has_healthy_pair() and not router.draining
+        status = "draining" if router.draining else "ok" if ok else "unavailable"
+        body = {"status": status, "running_requests": router.active, **router.pool.status()}
+        if not ok and not router.draining:
             body["reason"] = router.pool.unavailable_reason()
         return JSONResponse(body, status_code=200 if ok else 503)
 

@@ -135,6 +135,15 @@ def too_many_body_reads(limit: int) -> APIError:
     )
 
 
+def shutting_down() -> APIError:
+    return APIError(
+        503,
+        "The router is shutting down; retry (another router replica takes the request).",
+        code="shutting_down",
+        headers={"Retry-After": "1"},
+    )
+
+
 def body_timeout(timeout: float) -> APIError:
     return APIError(408, f"The request body did not arrive within {timeout:g} s.", code="request_timeout")
 

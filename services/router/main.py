@@ -7,14 +7,14 @@ import sys
 
 import uvicorn
 
-from services.common.config import ROUTER_FLAGS, parse_args
+from services.common.config import ROUTER_FLAGS, ignored_env_twins, parse_args
 from services.common.grpc_server import configure_internal_token
 from services.common.logging_setup import configure_logging, get_logger
 from services.common.parent_death import die_with
 from services.router.app import RouterSettings, create_app
 from services.router.connection_guard import ConnectionLimits, guarded_protocol
 from services.router.discovery import split_host_port
-from services.router.processes import Supervisor, child_identity, listening_socket
+from services.router.processes import STOP_MARGIN, Supervisor, child_identity, listening_socket
 
 DESCRIPTION = (
     "pdmesh router: the OpenAI-compatible HTTP API in front of prefill and decode workers "
@@ -31,13 +31,17 @@ def main(argv=None) -> None:
     name = f"router-{args.host}-{args.port}" + (f"-p{child[0]}" if child else "")
     configure_logging(args.log_level, args.log_format, service="router", worker=name)
     log = get_logger("router")
+    for notice in ignored_env_twins():
+        log.warning(notice)
     if not args.decode or (args.mode == "pd" and not args.prefill):
         log.error("at least one --decode and (in --mode pd) one --prefill worker address are required")
         sys.exit(2)
     if args.mode == "colocated" and args.prefill:
         log.warning("--mode colocated: the --prefill workers are not used", prefill=args.prefill)
-    if args.request_timeout <= 0 or args.max_concurrent_requests < 1 or args.max_body_bytes < 1:
-        log.error("--request-timeout, --max-concurrent-requests and --max-body-bytes must be positive")
+    if (args.request_timeout <= 0 or args.max_concurrent_requests < 1 or args.max_body_bytes < 1
+            or args.shutdown_timeout <= 0):
+        log.error("--request-timeout, --max-concurrent-requests, --max-body-bytes and --shutdown-timeout must be "
+                  "positive")
         sys.exit(2)
     if (args.max_grammar_bytes < 1 or args.max_request_worker_bytes < 1 or args.grammar_compile_budget <= 0
             or args.grammar_mask_budget <= 0):
@@ -68,7 +72,7 @@ def main(argv=None) -> None:
         sys.exit(2)
     if args.processes > 1 and child is None:
         sys.exit(Supervisor(argv, args.processes, args.host, args.port, log, args.process_stall_timeout,
-                            args.process_start_timeout).run())
+                            args.process_start_timeout, stop_grace=args.shutdown_timeout + STOP_MARGIN).run())
     configure_internal_token(args.internal_token_file, args.internal_token)  # presented on every call to the workers
     settings = RouterSettings.from_args(args)
     sockets = None
@@ -88,11 +92,24 @@ def main(argv=None) -> None:
         log_level="debug" if args.log_level == "debug" else "warning",
         access_log=False,  # one structured line per request comes from the router itself
         timeout_keep_alive=args.keep_alive_timeout,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=args.shutdown_timeout,
     )
     # What exists by now (modules, the tokenizer, the app) lives as long as the process: frozen, it
     # is out of the cyclic garbage collector's sight, whose collections otherwise walk all of it
     # again and again under load (measured, non-streamed at c=32: their CPU fell from ~8% of the
     # router's to under 1%).
     gc.freeze()
-    uvicorn.Server(config).run(sockets=sockets)
+    DrainingServer(config, app.state.router).run(sockets=sockets)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, told of the stop signal first: the router stops admitting as uvicorn stops
+    accepting, and uvicorn waits (--shutdown-timeout) for what the router holds."""
+
+    def __init__(self, config: uvicorn.Config, router):
+        super().__init__(config)
+        self.router = router
+
+    def handle_exit(self, sig, frame) -> None:
+        self.router.begin_drain()
+        super().handle_exit(sig, frame)

@@ -44,6 +44,7 @@ from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.grpc_server import internal_channel
 from services.common.logging_setup import get_logger
+from services.common.mesh_protocol import MIN_PEER_VERSION, PROTOCOL_VERSION, incompatibility
 from services.common.metrics import Metrics
 from services.router.discovery import Resolver, resolve_specs, split_host_port, system_resolver
 from services.router.errors import no_healthy_workers
@@ -81,6 +82,7 @@ class Worker:
     peer_ejections: int = 0  # the other processes' ejections of it, as last read
     external_load: int = 0  # queued + running on the worker that are not ours (last Load report)
     last_error: str = ""
+    incompatible: str = ""  # why its protocol version does not fit this router's ("" when it does)
     last_change: float = field(default_factory=time.time)
     channel: grpc.aio.Channel | None = None
     stub: object | None = None
@@ -273,17 +275,12 @@ class WorkerPool:
         except Exception as e:  # noqa: BLE001 - any failure of the probe is a failed probe
             ok, error = False, repr(e)
         if ok:
-            refused = await self._read_load(w)
-            if refused:
-                # Health is open to anyone; every other call needs the shared token. A worker that
-                # refuses ours cannot serve a single request: eject it now, not after the threshold.
+            problem = await self._read_load(w)
+            if problem:  # serving, but not a worker this router can use: out at once, not after the threshold
                 w.failures += 1
-                if w.last_error != refused or w.healthy:
-                    log.error("internal token mismatch: the worker refuses the router's calls", role=w.role,
-                              target=w.addr, error=refused)
-                w.last_error = refused
+                w.last_error = problem
                 if w.healthy:
-                    self._mark(w, False, refused)
+                    self._mark(w, False, problem)
                 return False
             w.failures = 0
             if not w.healthy:
@@ -296,16 +293,37 @@ class WorkerPool:
         return ok
 
     async def _read_load(self, w: Worker) -> str:
-        """Read the worker's load; returns why the worker refuses the router ("" when it does not)."""
+        """The worker's load and protocol versions; returns why the router cannot use the worker:
+        it refuses the router's internal token, or its protocol version does not fit ("" if fine)."""
+        request = wpb.LoadRequest(protocol_version=PROTOCOL_VERSION, min_protocol_version=MIN_PEER_VERSION)
         try:
-            reply = await w.stub.Load(wpb.LoadRequest(), timeout=self.timeout)
+            reply = await w.stub.Load(request, timeout=self.timeout)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAUTHENTICATED:
-                return (f"internal token mismatch: the worker answers UNAUTHENTICATED ({e.details()}); give the "
-                        "router and every worker the same --internal-token-file / PDMESH_INTERNAL_TOKEN")
-            return ""  # keep the last report; load is advisory, health decides admission
+                # Health is open to anyone; every other call needs the shared token
+                refused = (f"internal token mismatch: the worker answers UNAUTHENTICATED ({e.details()}); give the "
+                           "router and every worker the same --internal-token-file / PDMESH_INTERNAL_TOKEN")
+                if w.last_error != refused or w.healthy:
+                    log.error("internal token mismatch: the worker refuses the router's calls", role=w.role,
+                              target=w.addr, error=refused)
+                return refused
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # the worker refuses this router's version
+                problem = f"{w.role} {w.addr} refuses this router: {e.details()}"
+                self._set_incompatible(w, problem)
+                return problem
+            return w.incompatible  # keep the last report; load is advisory, health decides admission
         w.external_load = max(0, reply.queued + reply.running - w.inflight - w.peer_inflight)
-        return ""
+        problem = incompatibility(f"{w.role} {w.addr}", reply.protocol_version, reply.min_protocol_version)
+        self._set_incompatible(w, problem)
+        return problem
+
+    def _set_incompatible(self, w: Worker, problem: str) -> None:
+        if problem and problem != w.incompatible:
+            log.error("worker ejected: incompatible protocol version", role=w.role, target=w.addr, reason=problem,
+                      router_protocol_version=PROTOCOL_VERSION)
+        elif w.incompatible and not problem:
+            log.info("worker protocol version now compatible", role=w.role, target=w.addr)
+        w.incompatible = problem
 
     def _mark(self, w: Worker, healthy: bool, why: str) -> None:
         w.healthy = healthy

@@ -40,7 +40,7 @@ ENV_SUPERVISOR = "PDMESH_ROUTER_SUPERVISOR_PID"
 
 RESTART_MIN, RESTART_MAX = 0.5, 10.0  # seconds before a dead process is replaced (doubling)
 LIVED_LONG = 10.0  # a process that served this long resets the backoff
-STOP_GRACE = 15.0  # seconds the processes get to finish after SIGTERM (uvicorn's own grace is 5)
+STOP_MARGIN = 5.0  # seconds a process gets past its --shutdown-timeout before the supervisor kills it
 FOLDER_PREFIX = "pdmesh-router-"
 _REPO = str(Path(__file__).resolve().parents[2])
 
@@ -82,9 +82,10 @@ def child_identity() -> tuple[int, str, int] | None:
 
 class Supervisor:
     def __init__(self, argv: list[str], processes: int, host: str, port: int, log, stall_timeout: float = 10.0,
-                 start_timeout: float = 60.0):
+                 start_timeout: float = 60.0, stop_grace: float = 60.0 + STOP_MARGIN):
         self.argv, self.processes, self.host, self.port, self.log = argv, processes, host, port, log
         self.stall_timeout, self.start_timeout = stall_timeout, start_timeout
+        self.stop_grace = stop_grace  # after SIGTERM: the processes' --shutdown-timeout and a margin
         self.children: list[subprocess.Popen | None] = [None] * processes
         self.started = [0.0] * processes
         self.backoff = [RESTART_MIN] * processes
@@ -167,7 +168,7 @@ class Supervisor:
         for child in live:
             with contextlib.suppress(ProcessLookupError):
                 child.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE
+        deadline = time.monotonic() + self.stop_grace
         for child in live:
             try:
                 child.wait(timeout=max(0.0, deadline - time.monotonic()))

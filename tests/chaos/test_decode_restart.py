@@ -53,7 +53,7 @@ def test_decode_killed_then_restarted(mesh):
     )
     wait_for(
         lambda: (m := p.metrics())["pdmesh:num_prefill_inflight_queue_reqs"] == 1
-        and m["pdmesh:num_prefill_bootstrap_queue_reqs"] == 1,
+        and m["pdmesh:num_prefill_prealloc_queue_reqs"] == 1,
         30,
         "one room in bootstrap and one in inflight",
     )
@@ -66,7 +66,7 @@ def test_decode_killed_then_restarted(mesh):
     ti.join(timeout=30)
     assert inflight_box["out"].prefill_error is not None
     # bootstrap fails by its deadline
-    wait_for(lambda: p.metrics()["pdmesh:num_prefill_bootstrap_queue_reqs"] == 0, BOOTSTRAP_TIMEOUT + 2, "bootstrap")
+    wait_for(lambda: p.metrics()["pdmesh:num_prefill_prealloc_queue_reqs"] == 0, BOOTSTRAP_TIMEOUT + 2, "bootstrap")
     tb.join(timeout=30)
     err = bootstrap_box["out"]
     assert err is not None and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED

@@ -52,7 +52,7 @@ def test_a_job_holding_pages_runs_while_an_older_one_waits_for_pages(mesh):
         async with channel(p.grpc_addr) as pch, channel(d.grpc_addr) as dch:
             prefill_a = asyncio.ensure_future(wpb_grpc.PrefillStub(pch).Prefill(
                 wpb.PrefillRequest(room=room_a, token_ids=a_ids, params=params_to_pb(GREEDY)), timeout=30))
-            await asyncio.to_thread(wait_for, lambda: p.metrics()["pdmesh:num_prefill_bootstrap_queue_reqs"] == 1,
+            await asyncio.to_thread(wait_for, lambda: p.metrics()["pdmesh:num_prefill_prealloc_queue_reqs"] == 1,
                                     10, "A in prefill's bootstrap queue")
 
             async def run_b():
@@ -147,7 +147,7 @@ def test_decode_admits_new_requests_once_retracted_ones_resume(mesh):
 
     outs = asyncio.run(scenario())
     assert all(o.ok for o in outs), [(o.prefill_error, o.decode_error) for o in outs]
-    assert d.metrics()["pdmesh:num_retractions_total"] >= 1
+    assert d.metrics()["pdmesh:num_retracted_requests_total"] >= 1
     # B had dozens of tokens left when it resumed; C needed three steps once admitted
     assert finished_at["C"] < finished_at["B"], finished_at
     mesh.assert_invariants()

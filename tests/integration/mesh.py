@@ -26,7 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 QUEUE_GAUGES = {
     "prefill": (
-        "pdmesh:num_prefill_bootstrap_queue_reqs",
+        "pdmesh:num_prefill_prealloc_queue_reqs",
         "pdmesh:num_prefill_inflight_queue_reqs",
         "pdmesh:num_queue_reqs",
         "pdmesh:num_running_reqs",

@@ -49,7 +49,7 @@ def test_pool_exhaustion_retracts_and_resumes_with_identical_tokens(mesh, refere
         assert out.ok, (out.prefill_error, out.decode_error)
         assert out.tokens == ref.token_ids
         assert out.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
-    assert d.metrics()["pdmesh:num_retractions_total"] >= 1
+    assert d.metrics()["pdmesh:num_retracted_requests_total"] >= 1
     mesh.assert_invariants()
 
 
@@ -69,7 +69,7 @@ def test_a_context_that_outgrows_the_whole_pool_fails_clearly(mesh):
     assert out.decode_error is not None and out.decode_error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "KV pages" in out.decode_error.details()
     mesh.assert_invariants()
-    assert d.metrics()["pdmesh:num_retractions_total"] == 0
+    assert d.metrics()["pdmesh:num_retracted_requests_total"] == 0
 
 
 def test_clients_leaving_while_retracted_leave_nothing_behind(mesh):
@@ -92,7 +92,7 @@ def test_clients_leaving_while_retracted_leave_nothing_behind(mesh):
 
     asyncio.run(scenario())
     mesh.assert_invariants()  # retracted, resuming and running rooms all gave their pages back
-    assert d.metrics()["pdmesh:num_retractions_total"] >= 2
+    assert d.metrics()["pdmesh:num_retracted_requests_total"] >= 2
 
 
 def test_through_the_router_retraction_is_invisible_to_clients(mesh):
@@ -128,9 +128,9 @@ def test_through_the_router_retraction_is_invisible_to_clients(mesh):
             return [await complete(client, pr) for pr in prompts]
 
     concurrent = asyncio.run(scenario(True))
-    assert d.metrics()["pdmesh:num_retractions_total"] >= 1
-    retractions = d.metrics()["pdmesh:num_retractions_total"]
+    assert d.metrics()["pdmesh:num_retracted_requests_total"] >= 1
+    retractions = d.metrics()["pdmesh:num_retracted_requests_total"]
     alone = asyncio.run(scenario(False))
-    assert d.metrics()["pdmesh:num_retractions_total"] == retractions  # one at a time fits
+    assert d.metrics()["pdmesh:num_retracted_requests_total"] == retractions  # one at a time fits
     assert concurrent == alone
     mesh.assert_invariants()

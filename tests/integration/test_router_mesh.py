@@ -199,7 +199,7 @@ def test_client_disconnect_mid_stream_frees_everything(basic):
     wait_for(lambda: d.metrics().get("pdmesh:num_aborted_requests_total", 0.0) > aborted, 10,
              "decode to abort the room of the disconnected client")
     m.assert_invariants()
-    wait_for(lambda: r.metrics().get("pdmesh:num_running_reqs", 1) == 0, 5, "router in-flight 0")
+    wait_for(lambda: r.metrics().get("pdmesh:router_num_running_reqs", 1) == 0, 5, "router in-flight 0")
     assert r.metrics().get('pdmesh:router_requests_total', 0) >= 1
 
 
@@ -270,7 +270,7 @@ def test_24_rounds_keepalive_with_decode_frozen_in_round_8(mesh):
         assert result["elapsed"] <= timeout + 1.0, result
         # with no further traffic, prefill's watchdog empties its inflight (and bootstrap) queue
         wait_for(lambda: p.metrics()["pdmesh:num_prefill_inflight_queue_reqs"] == 0
-                 and p.metrics()["pdmesh:num_prefill_bootstrap_queue_reqs"] == 0, 10,
+                 and p.metrics()["pdmesh:num_prefill_prealloc_queue_reqs"] == 0, 10,
                  "prefill's inflight queue to empty while decode is frozen")
     finally:
         d.cont()  # SIGCONT

@@ -105,7 +105,7 @@ class Router:
     def assert_settled(self, fakes: Fakes) -> None:
         """Nothing left in flight: every process's running gauge at 0, every fake's RPCs ended."""
         def settled() -> bool:
-            running = self.per_process("pdmesh:num_running_reqs", suffix="reqs")
+            running = self.per_process("pdmesh:router_num_running_reqs", suffix="reqs")
             return (len(running) == self.processes and all(v == 0 for v in running.values())
                     and fakes.prefill.seen.active == 0 and fakes.decode.seen.active == 0)
 
@@ -174,7 +174,7 @@ def test_the_processes_share_the_port_and_one_metrics(fakes, routers):
     with ThreadPoolExecutor(8) as pool:
         codes = list(pool.map(lambda _: post_new_connection(r.url), range(48)))
     assert codes == [200] * 48
-    served = r.per_process("pdmesh:num_requests")
+    served = r.per_process("pdmesh:router_num_requests")
     assert len(served) == 2 and all(n > 0 for n in served.values()), served  # both processes served
     assert sum(served.values()) == 48
     assert httpx.get(r.url + "/v1/models", timeout=5).status_code == 200
@@ -188,7 +188,7 @@ def test_max_concurrent_requests_bounds_the_whole_router(fakes, routers):
     with ThreadPoolExecutor(9) as pool:
         codes = sorted(pool.map(lambda _: post_new_connection(r.url), range(9)))
     assert codes == [200] * 3 + [429] * 6, codes
-    assert sum(r.per_process("pdmesh:num_requests").values()) == 3
+    assert sum(r.per_process("pdmesh:router_num_requests").values()) == 3
     r.assert_settled(fakes)
 
 

@@ -92,7 +92,7 @@ def test_greedy_with_each_control_equals_single_process_under_retraction(workers
         assert out.logprobs == pytest.approx(ref.logprobs, abs=1e-4), name
         assert ref.token_ids != q.token_ids, f"{name}: the control changed nothing"
     assert 20 <= len(refs[names.index("min_tokens")].token_ids) < 40
-    assert d.metrics()["pdmesh:num_retractions_total"] >= 1
+    assert d.metrics()["pdmesh:num_retracted_requests_total"] >= 1
     mesh.assert_invariants()
 
 

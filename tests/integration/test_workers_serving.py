@@ -147,13 +147,13 @@ def test_abort_in_bootstrap_and_while_running(plain):
             params = params_to_pb(SamplingParams(temperature=0, max_tokens=4))
             await _cancel_when(
                 pst.Prefill(wpb.PrefillRequest(room=new_room(), token_ids=[5] * 30, params=params)),
-                lambda: p.metrics()["pdmesh:num_prefill_bootstrap_queue_reqs"] == 1,
+                lambda: p.metrics()["pdmesh:num_prefill_prealloc_queue_reqs"] == 1,
             )
             # ... or the Abort RPC ends it
             room = new_room()
             call = asyncio.ensure_future(pst.Prefill(wpb.PrefillRequest(room=room, token_ids=[5] * 30, params=params)))
             await asyncio.to_thread(
-                wait_for, lambda: p.metrics()["pdmesh:num_prefill_bootstrap_queue_reqs"] == 1, 10, "bootstrap"
+                wait_for, lambda: p.metrics()["pdmesh:num_prefill_prealloc_queue_reqs"] == 1, 10, "bootstrap"
             )
             assert (await pst.Abort(wpb.AbortRoomRequest(room=room, reason="test"))).found
             with pytest.raises(grpc.aio.AioRpcError) as e:

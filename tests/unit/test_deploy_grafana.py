@@ -28,7 +28,7 @@ MACROS = {"$__rate_interval": "1m", "$__interval": "1m", "$__range": "1h"}
 # What the dashboard must show (issue: PD queues, TTFT/ITL/e2e, KV transfer bandwidth, token usage,
 # evictions).
 REQUIRED = {
-    "pdmesh:num_prefill_bootstrap_queue_reqs",
+    "pdmesh:num_prefill_prealloc_queue_reqs",
     "pdmesh:num_prefill_inflight_queue_reqs",
     "pdmesh:num_queue_reqs",
     "pdmesh:num_decode_prealloc_queue_reqs",
@@ -40,7 +40,18 @@ REQUIRED = {
     "pdmesh:kv_transfer_bytes_sum",
     "pdmesh:token_usage",
     "pdmesh:watchdog_evictions_total",
+    # SGLang's scheduler gauges, so its dashboard's panels have a counterpart here
+    "pdmesh:gen_throughput",
+    "pdmesh:num_used_tokens",
+    "pdmesh:max_total_num_tokens",
+    "pdmesh:queue_time_seconds_bucket",
+    # the router's own series (client-side), apart from the workers'
+    "pdmesh:router_num_requests_total",
+    "pdmesh:router_time_to_first_token_seconds_bucket",
+    "pdmesh:router_num_running_reqs",
 }
+# Units a panel may have for what its metrics measure (by name suffix).
+UNIT_OF_SUFFIX = {"_seconds": {"s"}, "_bytes": {"bytes", "Bps"}}
 
 
 def dashboard() -> dict:
@@ -98,6 +109,36 @@ def test_dashboard_parses_and_has_the_pd_panels():
         "evictions",
     ):
         assert word in titles, f"no panel about {word!r}"
+
+
+def panel_metric_names(panel: dict) -> set[str]:
+    return set().union(*(metric_names(t["expr"]) for t in panel.get("targets", []) if t.get("expr")))
+
+
+def test_panel_units_fit_what_they_plot():
+    """A seconds panel plots only seconds, a bytes panel bytes (the KV latency panel once drew the
+    transfer size on its seconds axis)."""
+    for p in panels(dashboard()):
+        unit = p.get("fieldConfig", {}).get("defaults", {}).get("unit")
+        for name in panel_metric_names(p):
+            base = re.sub(r"_(bucket|sum|count|total)$", "", name)
+            for suffix, units in UNIT_OF_SUFFIX.items():
+                if base.endswith(suffix) and not p["title"].lower().endswith("speed per request"):
+                    assert unit in units, f"panel {p['title']!r} ({unit}) plots {name}"
+        if unit == "s":
+            assert all(re.sub(r"_(bucket|sum|count)$", "", n).endswith("_seconds") for n in panel_metric_names(p)), p
+
+
+def test_router_requests_panel_counts_generation_requests_only():
+    (panel,) = [p for p in panels(dashboard()) if p["title"] == "Requests / s (router)"]
+    assert panel_metric_names(panel) == {"pdmesh:router_num_requests_total"}
+
+
+def test_no_query_mixes_router_and_worker_counts():
+    """The router's series have their own names: no query selects engine_type="router" from a
+    name the workers also emit (a sum over it would count each request twice)."""
+    for expr in expressions():
+        assert 'engine_type="router"' not in expr or "worker_healthy" in expr, expr
 
 
 def test_dashboard_names_only_metrics_the_services_define():

@@ -141,8 +141,7 @@ def test_manifests_name_only_real_flags_and_env_twins():
 
 def test_podmonitor_scrapes_the_http_port_with_the_alert_job_names():
     kust = load(K8S / "monitoring" / "kustomization.yaml")[0]
-    (pm,) = [d for r in kust["resources"] for d in load(K8S / "monitoring" / r)]
-    assert pm["kind"] == "PodMonitor"
+    (pm,) = [d for r in kust["resources"] for d in load(K8S / "monitoring" / r) if d["kind"] == "PodMonitor"]
     (ep,) = pm["spec"]["podMetricsEndpoints"]
     assert ep["port"] == "http" and ep["path"] == "/metrics"
     job = next(r for r in ep["relabelings"] if r["targetLabel"] == "job")
@@ -165,3 +164,56 @@ def test_workers_require_the_internal_token_secret_and_the_router_reads_it():
         assert not ref.get("optional", False), f"{role}: the pod must not start without the token"
     (router,) = objs[("Deployment", "pdmesh-router")]["spec"]["template"]["spec"]["containers"]
     assert any(src.get("secretRef", {}).get("name") == "pdmesh-secrets" for src in router["envFrom"])
+
+
+def test_pods_get_no_service_link_variables():
+    """Without this, a Service named pdmesh (or pdmesh-http, pdmesh-grpc) would inject
+    PDMESH_PORT=tcp://IP:PORT into every pod, a PDMESH_* twin of a flag."""
+    for (kind, name), obj in objects().items():
+        if kind == "Deployment":
+            assert obj["spec"]["template"]["spec"]["enableServiceLinks"] is False, name
+
+
+def _setting(role: str, flag: str, container: dict, configmap: dict) -> float:
+    """A flag's value in a pod: its argument, else its env twin (pod env, then the ConfigMap), else its default."""
+    from services.common.config import DECODE_FLAGS, PREFILL_FLAGS, ROUTER_FLAGS
+
+    flags = {"router": ROUTER_FLAGS, "prefill": PREFILL_FLAGS, "decode": DECODE_FLAGS}[role]
+    (f,) = [f for f in flags if f.name == flag]
+    args = container["args"]
+    if f"--{flag}" in args:
+        return float(flag_value(args, f"--{flag}"))
+    env = {e["name"]: e.get("value") for e in container.get("env", [])}
+    raw = env.get(f.env) or configmap.get(f.env)
+    return float(raw) if raw else float(f.default)
+
+
+def test_stops_drain_within_the_termination_grace():
+    """preStop, then the router's --shutdown-timeout (streams longer than 5 s survive a router
+    rollout) or a worker's --drain-timeout (longer than 2 s), with the supervisor's margin, all
+    inside terminationGracePeriodSeconds."""
+    from services.router.processes import STOP_MARGIN
+
+    objs = objects()
+    cm = objs[("ConfigMap", "pdmesh-env")]["data"]
+    for role, flag, floor in (("router", "shutdown-timeout", 5), ("prefill", "drain-timeout", 2),
+                              ("decode", "drain-timeout", 2)):
+        spec = objs[("Deployment", f"pdmesh-{role}")]["spec"]["template"]["spec"]
+        (c,) = spec["containers"]
+        command = c["lifecycle"]["preStop"]["exec"]["command"]
+        assert command[0] == "sleep", command
+        pre_stop = float(command[1])
+        timeout = _setting(role, flag, c, cm)
+        assert timeout > floor, f"{role}: --{flag} {timeout}"
+        assert pre_stop + timeout + STOP_MARGIN <= spec["terminationGracePeriodSeconds"], role
+
+
+def test_every_role_has_a_disruption_budget_of_one_pod():
+    objs = objects()
+    for role in ("router", "prefill", "decode"):
+        pdb = objs[("PodDisruptionBudget", f"pdmesh-{role}")]
+        assert pdb["apiVersion"] == "policy/v1"
+        assert pdb["spec"]["maxUnavailable"] == 1 and "minAvailable" not in pdb["spec"]
+        labels = objs[("Deployment", f"pdmesh-{role}")]["spec"]["template"]["metadata"]["labels"]
+        assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        assert pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == role

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pathlib
 import re
 import subprocess
+import sys
 
 import yaml
 
@@ -27,7 +28,8 @@ JOBS = {
     "pdmesh-prefill": ("prefill", 8081),
     "pdmesh-decode": ("decode", 8082),
 }
-REQUIRED_ALERTS = {"PDMeshInflightStuck", "PDMeshWatchdogEvictions", "PDMeshWorkerDown"}
+REQUIRED_ALERTS = {"PDMeshInflightStuck", "PDMeshWatchdogEvictions", "PDMeshWorkerDown", "PDMeshNoPrefillWorker",
+                   "PDMeshNoDecodeWorker", "PDMeshRouter5xxRatio", "PDMeshRouterRejecting429", "PDMeshTTFTOverSLO"}
 
 # PromQL words that are not metric names
 PROMQL_WORDS = {
@@ -53,6 +55,7 @@ PROMQL_WORDS = {
     "delta",
     "absent",
     "histogram_quantile",
+    "last_over_time",
     "max_over_time",
     "min_over_time",
     "avg_over_time",
@@ -135,12 +138,16 @@ def test_alert_rules_pass_their_unit_tests():
     assert defined <= tested, f"alerts without a unit test: {sorted(defined - tested)}"
 
 
+def recorded_names() -> set[str]:
+    return {r["record"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"] if "record" in r}
+
+
 def test_alert_rules_name_only_exported_metrics():
-    declared = declared_names() | {"up"}
+    declared = declared_names() | {"up"} | recorded_names()
     for group in yaml.safe_load(RULES.read_text())["groups"]:
         for rule in group["rules"]:
             names = metric_names(rule["expr"])
-            assert names, rule["expr"]
+            assert names or "record" in rule, rule["expr"]  # a parameter records a constant
             unknown = names - declared
             assert not unknown, (
                 f"{rule.get('alert')}: {sorted(unknown)} not exported by services/common/metrics.py"
@@ -171,3 +178,33 @@ def test_scrape_jobs_cover_the_three_services_on_their_compose_ports():
         for v in compose["prometheus"]["volumes"]
     ]
     assert any(re.match(r".*/deploy/prometheus:/etc/prometheus(:ro)?$", v) for v in mounts), mounts
+
+
+def test_alerts_select_targets_by_the_mesh_labels_not_job_names():
+    """Annotation-based scraping names its job as it likes: no alert may depend on pdmesh-* jobs."""
+    for group in yaml.safe_load(RULES.read_text())["groups"]:
+        for rule in group["rules"]:
+            assert "job=" not in rule["expr"].replace(" ", ""), rule.get("alert") or rule.get("record")
+
+
+def test_ttft_objective_is_a_parameter_of_two_seconds_by_default():
+    (rule,) = [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]
+               if r.get("record") == "pdmesh:ttft_slo_seconds"]
+    assert rule["expr"].strip() == "vector(2)"
+    (alert,) = [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]
+                if r.get("alert") == "PDMeshTTFTOverSLO"]
+    assert "pdmesh:ttft_slo_seconds" in alert["expr"] and "pdmesh:router_time_to_first_token" in alert["expr"]
+
+
+def test_prometheusrule_is_the_rules_file():
+    """deploy/k8s/monitoring/prometheusrule.yaml carries exactly deploy/prometheus/alerts.yml's groups
+    (scripts/gen_prometheusrule.py writes it) and the monitoring kustomization applies it."""
+    k8s_monitoring = ROOT / "deploy" / "k8s" / "monitoring"
+    (rule,) = [d for d in yaml.safe_load_all((k8s_monitoring / "prometheusrule.yaml").read_text()) if d]
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1" and rule["kind"] == "PrometheusRule"
+    assert rule["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"]
+    kust = yaml.safe_load((k8s_monitoring / "kustomization.yaml").read_text())
+    assert "prometheusrule.yaml" in kust["resources"]
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_prometheusrule.py"), "--check"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr

@@ -245,9 +245,9 @@ def test_models_health_metrics(cluster):
     assert health.status_code == 200 and health.json()["status"] == "ok"
     post(cluster, "/v1/completions", completion())
     text = httpx.get(cluster.url + "/metrics").text
-    for name in ("pdmesh:router_requests_total", "pdmesh:time_to_first_token_seconds",
-                 "pdmesh:inter_token_latency_seconds", "pdmesh:e2e_request_latency_seconds",
-                 "pdmesh:num_running_reqs", "pdmesh:worker_healthy"):
+    for name in ("pdmesh:router_requests_total", "pdmesh:router_time_to_first_token_seconds",
+                 "pdmesh:router_inter_token_latency_seconds", "pdmesh:router_e2e_request_latency_seconds",
+                 "pdmesh:router_num_running_reqs", "pdmesh:worker_healthy"):
         assert name in text, name
     assert cluster.metric("pdmesh:router_requests_total", status="200") >= 1
     assert cluster.metric("pdmesh:worker_healthy", engine_type="router") == 2

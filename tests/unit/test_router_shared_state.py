@@ -207,13 +207,13 @@ def test_merged_expositions_parse_and_keep_every_series():
     a, b = _metrics("router-h-1-p0", 3), _metrics("router-h-1-p1", 4)
     merged = merge_expositions([a.exposition(), b.exposition()]).decode()
     families = {f.name: f for f in text_string_to_metric_families(merged)}  # raises on a malformed text
-    requests = families["pdmesh:num_requests"]
+    requests = families["pdmesh:router_num_requests"]
     assert sorted((s.labels["worker"], s.value) for s in requests.samples if s.name.endswith("_total")) == [
         ("router-h-1-p0", 3.0), ("router-h-1-p1", 4.0)]
-    assert sum(s.value for s in families["pdmesh:num_running_reqs"].samples) == 2
-    count = [s for s in families["pdmesh:e2e_request_latency_seconds"].samples if s.name.endswith("_count")]
+    assert sum(s.value for s in families["pdmesh:router_num_running_reqs"].samples) == 2
+    count = [s for s in families["pdmesh:router_e2e_request_latency_seconds"].samples if s.name.endswith("_count")]
     assert len(count) == 2
-    assert merged.count("# TYPE pdmesh:num_requests_total counter") == 1
+    assert merged.count("# TYPE pdmesh:router_num_requests_total counter") == 1
     assert merge_expositions([a.exposition()]).decode().count("\n") == a.exposition().decode().count("\n")
 
 
@@ -229,7 +229,7 @@ async def _sibling_metrics_gather(tmp_path):
     try:
         text = (await sibs[0].exposition()).decode()
         families = {f.name: f for f in text_string_to_metric_families(text)}
-        workers = {s.labels["worker"] for s in families["pdmesh:num_requests"].samples}
+        workers = {s.labels["worker"] for s in families["pdmesh:router_num_requests"].samples}
         assert workers == {"router-h-1-p0", "router-h-1-p1"}
         assert families["pdmesh:router_processes_scraped"].samples[0].value == 2
         assert families["pdmesh:router_processes"].samples[0].value == 3

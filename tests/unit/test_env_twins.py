@@ -1,0 +1,78 @@
+"""Env twins that Kubernetes service links collide with: a flag always wins over its twin, a
+`tcp://IP:PORT` service link is ignored (the default stands, and the service can say so), and any
+other malformed twin stops the service with a message naming the variable, never a traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common import config
+from services.common.config import (
+    PREFILL_FLAGS,
+    ROUTER_FLAGS,
+    PrefillSettings,
+    ignored_env_twins,
+    parse_args,
+    parse_settings,
+)
+
+
+def router_args(argv):
+    return parse_args("router", "test", ROUTER_FLAGS, argv)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_notices(monkeypatch):
+    monkeypatch.setattr(config, "_ignored_env", [])
+
+
+def test_explicit_flag_wins_over_a_service_link_twin(monkeypatch):
+    monkeypatch.setenv("PDMESH_PORT", "tcp://10.0.0.1:8000")
+    assert router_args(["--port", "9000"]).port == 9000
+    assert ignored_env_twins() == []  # the twin was never needed
+
+
+def test_service_link_twin_without_the_flag_falls_back_to_the_default(monkeypatch):
+    monkeypatch.setenv("PDMESH_PORT", "tcp://10.96.0.12:8000")
+    assert router_args([]).port == 8000
+    (notice,) = ignored_env_twins()
+    assert "PDMESH_PORT" in notice and "service link" in notice and "enableServiceLinks" in notice
+
+
+@pytest.mark.parametrize("name,value", [("PDMESH_GRPC_PORT", "udp://10.0.0.7:50051"),
+                                        ("PDMESH_HTTP_PORT", "sctp://[fd00::1]:8081")])
+def test_worker_port_twins_survive_service_links_too(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    s = parse_settings(PrefillSettings, "prefill", "test", [])
+    assert (s.grpc_port, s.http_port) == (50051, 8081)
+
+
+def test_explicit_flag_wins_over_any_malformed_twin(monkeypatch):
+    monkeypatch.setenv("PDMESH_NUM_PAGES", "lots")
+    monkeypatch.setenv("PDMESH_WORKER_LANE", "perhaps")
+    s = parse_settings(PrefillSettings, "prefill", "test", ["--num-pages", "32"])
+    assert s.num_pages == 32
+    assert router_args(["--worker-lane", "false"]).worker_lane is False
+
+
+def test_malformed_twin_without_its_flag_is_a_clear_usage_error(monkeypatch, capsys):
+    monkeypatch.setenv("PDMESH_NUM_PAGES", "lots")
+    with pytest.raises(SystemExit) as e:
+        parse_args("prefill", "test", PREFILL_FLAGS, [])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "PDMESH_NUM_PAGES='lots'" in err and "--num-pages" in err
+
+
+def test_twin_outside_the_flags_choices_is_a_usage_error(monkeypatch, capsys):
+    monkeypatch.setenv("PDMESH_POLICY", "fastest")
+    with pytest.raises(SystemExit):
+        router_args([])
+    assert "PDMESH_POLICY='fastest'" in capsys.readouterr().err
+    assert router_args(["--policy", "least_loaded"]).policy == "least_loaded"
+
+
+def test_repeatable_twin_still_splits_on_commas(monkeypatch):
+    monkeypatch.setenv("PDMESH_PREFILL", "a:50051, b:50051")
+    assert router_args([]).prefill == ["a:50051", "b:50051"]
+    assert router_args(["--prefill", "c:1"]).prefill == ["c:1"]

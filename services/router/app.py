@@ -34,17 +34,17 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from services.common.logging_setup import bound_room, get_logger
+from services.common.logging_setup import bound_contextvars, bound_room, get_logger
 from services.common.metrics import CONTENT_TYPE, Metrics
 from services.common.tokenizer import BUILTIN_NAMES, Tokenizer, load_tokenizer
-from services.router import errors, openapi
+from services.router import errors, extra_routes, openapi
 from services.router.errors import APIError
 from services.router.fanout import FanIn, PrefillShare, Single
 from services.router.fastpath import RouterApp
 from services.router.orchestrator import Orchestrator, new_room
 from services.router.output import TokenStrings
 from services.router.pool import WorkerPool
-from services.router.protocol import GenerateSpec, ModelInfo, parse_chat, parse_completion
+from services.router.protocol import GenerateSpec, ModelInfo, parse_chat, parse_completion, valid_request_id
 from services.router.render import ResponseState
 from services.router.shared_state import SharedState, state_path
 from services.router.sibling_metrics import SiblingMetrics
@@ -61,10 +61,10 @@ PARSE_IN_THREAD_BYTES = 64 * 1024  # tokenize bigger bodies off the event loop
 CLIENT_CLOSED = 499  # nginx's "client closed request", for metrics and logs only
 
 
-def error_json(error: APIError, request_id: int | None = None) -> JSONResponse:
+def error_json(error: APIError, request_id: int | str | None = None) -> JSONResponse:
     headers = dict(error.headers)
     if request_id is not None:
-        headers["X-Request-Id"] = f"{request_id:016x}"
+        headers["X-Request-Id"] = request_id if isinstance(request_id, str) else f"{request_id:016x}"
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
@@ -226,7 +226,7 @@ class Router:
     def count(self, status: int) -> None:
         self.metrics.inc(self.metrics.router_requests, status=str(status))
 
-    def error_response(self, error: APIError, request_id: int | None = None) -> JSONResponse:
+    def error_response(self, error: APIError, request_id: int | str | None = None) -> JSONResponse:
         self.count(error.status)
         return error_json(error, request_id)
 
@@ -266,7 +266,8 @@ class Router:
 
     async def parse(self, kind: str, body: Any, size_hint: int) -> GenerateSpec:
         parse = parse_completion if kind == "completion" else parse_chat
-        if size_hint > PARSE_IN_THREAD_BYTES:
+        # a request's own chat template may take up to its render bound: not on the event loop
+        if size_hint > PARSE_IN_THREAD_BYTES or (isinstance(body, dict) and body.get("chat_template") is not None):
             return await asyncio.to_thread(parse, body, self.info)
         return parse(body, self.info)
 
@@ -277,9 +278,14 @@ class Router:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.request_timeout
         request_id = new_room()
-        with bound_room(request_id):
+        public_id = client_request_id(request)
+        with bound_room(request_id), bound_contextvars(**({"client_request_id": public_id} if public_id else {})):
             admitted = False
             try:
+                if public_id is not None and not valid_request_id(public_id):
+                    public_id = None
+                    raise errors.bad_request(
+                        "The X-Request-Id header must be 1 to 128 visible ASCII characters.", code="invalid_value")
                 self.check_auth(request)
                 self.admit()  # the slot is ours from here: concurrent arrivals see it while we parse
                 admitted = True
@@ -289,7 +295,7 @@ class Router:
                 if admitted:
                     self.active -= 1
                 log.info("request rejected", status=e.status, error=e.message[:300])
-                return self.error_response(e, request_id)
+                return self.error_response(e, public_id or request_id)
             except ClientDisconnect:
                 if admitted:
                     self.active -= 1
@@ -300,11 +306,17 @@ class Router:
                     self.active -= 1
                 raise
             self.metrics.inc(self.metrics.num_requests)
-            self.metrics.inc(self.metrics.prompt_tokens, len(spec.prompt_ids))
-            run = _Run(self, spec, request_id, t0, deadline)
+            self.metrics.inc(self.metrics.prompt_tokens, sum(len(p.prompt_ids) for p in spec.prompts))
+            public_id = public_id or spec.request_id or f"{request_id:016x}"
+            run = _Run(self, spec, request_id, t0, deadline, public_id)
             if spec.stream:
                 return await run.stream(request)
             return await run.complete(request)
+
+
+def client_request_id(request: Request) -> str | None:
+    """The caller's X-Request-Id header (vLLM's rule: it names the response and is echoed back)."""
+    return request.headers.get("x-request-id")
 
 
 class _Run:
@@ -314,37 +326,44 @@ class _Run:
     with seed + index, sharing one prefill that computes the prompt once; the response is
     assembled from one ResponseState per choice."""
 
-    def __init__(self, router: Router, spec: GenerateSpec, request_id: int, t0: float, deadline: float):
+    def __init__(self, router: Router, spec: GenerateSpec, request_id: int, t0: float, deadline: float,
+                 public_id: str):
         self.router = router
         self.spec = spec
         self.request_id = request_id
+        self.public_id = public_id  # the client's X-Request-Id / request_id, else the room in hex
         self.t0 = t0
         self.deadline = deadline
-        rid = f"{request_id:016x}"
-        self.states = [ResponseState(spec, router.tokenizer, router.token_strings, rid, index=i)
-                       for i in range(spec.n)]
+        # choice k = prompt i x n + j (OpenAI's order for a batch); j samples with seed + j, so it
+        # equals choice j of the same prompt sent alone
+        self.choices = [(p, j) for p in spec.prompts for j in range(spec.n)]
+        self.states = [ResponseState(p, router.tokenizer, router.token_strings, public_id, index=k,
+                                     counts_prompt=j == 0)
+                       for k, (p, j) in enumerate(self.choices)]
         self.state = self.states[0]
         timeout = router.settings.request_timeout
-        if spec.n == 1:
-            gen = router.orchestrator.generate(self._choice_spec(0), deadline, timeout, first_room=request_id)
+        if len(self.choices) == 1:
+            gen = router.orchestrator.generate(self._choice_spec(spec, 0), deadline, timeout, first_room=request_id)
             self.fan: FanIn | Single = FanIn([gen]) if spec.stream else Single(gen)
         else:
-            share = PrefillShare(new_room())
+            # one prefill share per prompt: its n choices compute that prompt once
+            shares = {id(p): PrefillShare(new_room()) for p in spec.prompts}
             self.fan = FanIn([
-                router.orchestrator.generate(self._choice_spec(i), deadline, timeout,
-                                             first_room=request_id if i == 0 else None, share=share)
-                for i in range(spec.n)
+                router.orchestrator.generate(self._choice_spec(p, j), deadline, timeout,
+                                             first_room=request_id if k == 0 else None, share=shares[id(p)])
+                for k, (p, j) in enumerate(self.choices)
             ])
-        self.last_token_at: list[float | None] = [None] * spec.n
+        self.last_token_at: list[float | None] = [None] * len(self.choices)
         self.ttft: float | None = None
         self._ended: set[int] = set()  # choices whose last chunk (with a finish reason) was read
         self._finished = False
 
-    def _choice_spec(self, index: int) -> GenerateSpec:
-        """The spec of one choice: its own seed (choice 0 keeps the request's; no copy then —
-        dataclasses.replace of a GenerateSpec is a measurable part of a request)."""
-        seed = self.spec.choice_seed(index)
-        return self.spec if seed == self.spec.seed else replace(self.spec, seed=seed)
+    @staticmethod
+    def _choice_spec(spec: GenerateSpec, index: int) -> GenerateSpec:
+        """The spec of choice `index` of one prompt: its own seed (choice 0 keeps the request's; no
+        copy then — dataclasses.replace of a GenerateSpec is a measurable part of a request)."""
+        seed = spec.choice_seed(index)
+        return spec if seed == spec.seed else replace(spec, seed=seed)
 
     @property
     def all_finished(self) -> bool:
@@ -417,10 +436,14 @@ class _Run:
         if status == CLIENT_CLOSED:
             r.metrics.inc(r.metrics.num_aborted_requests)
         fields = dict(
-            status=status, stream=self.spec.stream, prompt_tokens=self.state.prompt_tokens, n=self.spec.n,
+            status=status, stream=self.spec.stream, prompt_tokens=self.state.usage(self.states)["prompt_tokens"],
+            n=self.spec.n, prompts=len(self.spec.prompts),
             completion_tokens=self.completion_tokens, finish_reason=self.state.finish_reason,
             ttft_s=None if self.ttft is None else round(self.ttft, 4), e2e_s=round(e2e, 4),
+            client_request_id=self.public_id,
         )
+        if self.spec.session_id is not None:
+            fields["session_id"] = self.spec.session_id
         if error:
             log.warning("request failed", error=error[:500], **fields)
         else:
@@ -438,10 +461,10 @@ class _Run:
         try:
             await run_until_disconnect(self._collect(), request.receive)
             status, error = 200, None
-            return JSONResponse(self.state.body(self.states), headers={"X-Request-Id": f"{self.request_id:016x}"})
+            return JSONResponse(self.state.body(self.states), headers={"X-Request-Id": self.public_id})
         except APIError as e:
             status, error = e.status, e.message
-            return error_json(e, self.request_id)
+            return error_json(e, self.public_id)
         except ClientDisconnected:
             status, error = CLIENT_CLOSED, "client disconnected"
             return Response(status_code=CLIENT_CLOSED)
@@ -452,7 +475,7 @@ class _Run:
     async def _first_of_each(self) -> list[tuple[int, object]]:
         """Chunks until every choice has sent one: failures before that are still an HTTP status."""
         got: list[tuple[int, object]] = []
-        while len({i for i, _ in got}) < self.spec.n:
+        while len({i for i, _ in got}) < len(self.choices):
             got.append(await self.next())
         return got
 
@@ -462,7 +485,7 @@ class _Run:
         except APIError as e:
             await self.fan.close()
             self.finish(e.status, e.message)
-            return error_json(e, self.request_id)
+            return error_json(e, self.public_id)
         except ClientDisconnected:
             await self.fan.close()
             self.finish(CLIENT_CLOSED, "client disconnected")
@@ -489,7 +512,7 @@ class _Run:
             self._events(first, outcome),
             on_close,
             bind=lambda: bound_room(self.request_id),
-            headers={"X-Request-Id": f"{self.request_id:016x}"},
+            headers={"X-Request-Id": self.public_id},
         )
 
     async def _events(self, first: list[tuple[int, object]], outcome: dict[str, Any]) -> AsyncIterator[bytes]:
@@ -639,4 +662,5 @@ def create_app(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> 
         return router.error_response(APIError(500, "Internal server error.", code="internal_error"))
 
     app.fast_error = internal_error
+    extra_routes.register(app, router)
     return app

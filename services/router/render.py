@@ -3,8 +3,10 @@
 `ResponseState` is fed the decode chunks of one choice and keeps the text (via OutputText:
 detokenization + stop strings), the usage counts and the logprobs. It builds exactly the
 shapes OpenAI returns for /v1/completions and /v1/chat/completions, streaming or not; with
-n > 1 there is one state per choice (`index`), and `body()`/`usage()` take all of them: the
-prompt is counted once and completion tokens are summed, as OpenAI reports usage.
+n > 1 or a batch of prompts there is one state per choice (`index` = prompt i x n + j), and
+`body()`/`usage()` take all of them: each prompt is counted once and completion tokens are
+summed, as OpenAI reports usage. With vLLM's `continuous_usage_stats` every chunk carries the
+usage of its choice so far.
 
 With tools (spec.tool_parser set), a chat reply is parsed for tool calls: as a whole for a JSON
 body, incrementally for a stream (content deltas and tool-call deltas, services/router/tool_parsers.py).
@@ -39,14 +41,16 @@ def _lp(value: float) -> float:
 
 class ResponseState:
     def __init__(self, spec: GenerateSpec, tokenizer: Tokenizer, token_strings: TokenStrings, request_id: str,
-                 index: int = 0):
+                 index: int = 0, counts_prompt: bool = True):
         self.spec = spec
         self.index = index
+        self.counts_prompt = counts_prompt  # the first choice of its prompt: usage counts the prompt here
         self.token_strings = token_strings
         prefix = "cmpl-" if spec.kind == "completion" else "chatcmpl-"
         self.id = prefix + request_id
         self.created = int(time.time())
-        self.out = OutputText(tokenizer, spec.prompt_ids, spec.stop, spec.skip_special_tokens)
+        self.out = OutputText(tokenizer, spec.prompt_ids, spec.stop, spec.skip_special_tokens,
+                              spec.include_stop_str_in_output)
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.entries: list[Entry] = []  # for the body
@@ -120,12 +124,22 @@ class ResponseState:
         return (self.spec.echo_text if self.spec.echo else "") + self.out.text
 
     def usage(self, states: list[ResponseState] | None = None) -> dict[str, int]:
-        """Usage of the whole request: the prompt once, completion tokens of every choice."""
-        completion = sum(s.completion_tokens for s in states or [self])
+        """Usage of the whole request: each prompt once, completion tokens of every choice."""
+        states = states or [self]
+        completion = sum(s.completion_tokens for s in states)
+        prompt = sum(s.prompt_tokens for s in states if s.counts_prompt) or self.prompt_tokens
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+    def own_usage(self) -> dict[str, int]:
+        """This choice's usage so far (continuous_usage_stats, as vLLM reports it per choice)."""
         return {
             "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": self.prompt_tokens + completion,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
 
     # --- logprobs -----------------------------------------------------------------------------
@@ -218,7 +232,9 @@ class ResponseState:
             "system_fingerprint": None,
             "choices": choices,
         }
-        if self.spec.include_usage:
+        if self.spec.continuous_usage:
+            obj["usage"] = self.own_usage()
+        elif self.spec.include_usage:
             obj["usage"] = None
         return obj
 
@@ -259,7 +275,7 @@ class ResponseState:
     def delta_event(self, text: str, entries, finish_reason: str | None) -> bytes | None:
         """delta_chunk() as an SSE event, byte for byte; plain text (no logprobs, not the last
         event) fills a template made once per choice instead of building and encoding the object."""
-        if entries or finish_reason is not None or self._tool_deltas:
+        if entries or finish_reason is not None or self._tool_deltas or self.spec.continuous_usage:
             payload = self.delta_chunk(text, entries, finish_reason)
             return None if payload is None else sse_event(payload)
         if not text:

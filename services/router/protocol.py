@@ -377,8 +377,6 @@ def parse_completion(body: Any, info: ModelInfo) -> GenerateSpec:
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
     model = _check_model(body, info)
     body = _with_defaults(body, info)
-    if get_str(body, "suffix", ""):
-        raise bad_request("'suffix' is not supported.", param="suffix", code="unsupported_value")
     kw = _common(body, info, "completion")
     logprobs = get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
     echo = get_bool(body, "echo", False)

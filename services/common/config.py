@@ -51,7 +51,16 @@ WORKER_FLAGS = [
     Flag("host", str, "127.0.0.1", "address the gRPC and HTTP servers bind to"),
     Flag("worker-id", str, "", "stable name of this worker in logs and metrics (default: role-host-port)"),
     Flag("page-size", int, 16, "tokens per KV page"),
-    Flag("num-pages", int, 4096, "KV pages in this worker's pool (allocated once at start)"),
+    Flag("num-pages", int, 0,
+         "KV pages in this worker's pool (allocated once at start); 0: sized from --kv-cache-memory-bytes, else "
+         "on CUDA from --gpu-memory-utilization, else 4096"),
+    Flag("kv-cache-memory-bytes", int, 0,
+         "bytes of KV cache to allocate, on any device (vLLM's flag); 0: not set. --num-pages wins"),
+    Flag("gpu-memory-utilization", float, 0.9,
+         "on CUDA without --num-pages or --kv-cache-memory-bytes: the fraction of the device's memory for "
+         "weights, activations and KV cache together (vLLM's meaning)"),
+    Flag("max-model-len", int, 0,
+         "longest prompt + completion served, in tokens (vLLM's flag); 0: the model's max_position_embeddings"),
     Flag("watchdog-interval", float, 1.0, "seconds between watchdog sweeps (runs even when idle)"),
     Flag("forward-timeout", float, 300.0,
          "seconds one forward (one chunk, not a whole prompt) may run before its rooms fail and the worker turns NOT_SERVING"),

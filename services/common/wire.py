@@ -84,7 +84,7 @@ def validate_prompt(token_ids: list[int], params: SamplingParams, vocab_size: in
     if len(token_ids) + params.max_tokens > max_positions:
         return (
             f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-            f"model's context length {max_positions}"
+            f"max model length {max_positions}"
         )
     return None
 
@@ -96,7 +96,7 @@ def parse_request(pb_params: wpb.SamplingParams, token_ids: list[int], config) -
         params = params_from_pb(pb_params)
     except ValueError as e:
         raise ValueError(f"invalid sampling params: {e}") from None
-    why = validate_prompt(token_ids, params, config.vocab_size, config.max_position_embeddings)
+    why = validate_prompt(token_ids, params, config.vocab_size, config.max_model_len)
     if why:
         raise ValueError(why)
     return params

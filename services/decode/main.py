@@ -28,7 +28,7 @@ async def serve(argv=None) -> None:
     configure_internal_token(args.internal_token_file, args.internal_token)
     transport = configure_transport(args.advertise_host, args.host, args.transfer_tls,
                                     args.transfer_net_devices, args.transfer_tcp_user_timeout)
-    engine = WorkerEngine(args.model, args.device, args.dtype, args.num_pages, args.page_size, faults)
+    engine = WorkerEngine.from_settings(args, faults)
     agent = NixlAgent.for_pool("decode", engine.pool)
     receiver = KVReceiver(agent, engine.pool)
     coordinator = KVReceiveCoordinator(

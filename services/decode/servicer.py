@@ -102,4 +102,6 @@ class DecodeServicer(LaneServicerMixin, wpb_grpc.DecodeServicer):
 
     async def Load(self, request, context):
         queued, running = self.worker.load()
-        return wpb.LoadReply(queued=queued, running=running, token_usage=self.worker.engine.pool.token_usage)
+        engine = self.worker.engine
+        return wpb.LoadReply(queued=queued, running=running, token_usage=engine.pool.token_usage,
+                             kv_capacity_tokens=engine.capacity_tokens, max_model_len=engine.config.max_model_len)

@@ -118,7 +118,17 @@ ROUTER_FLAGS = [
     Flag("host", str, "127.0.0.1", "address the HTTP server binds to"),
     Flag("port", int, 8000, "HTTP port of the OpenAI-compatible API"),
     Flag("model", str, "builtin", "model folder for the tokenizer and chat template, or 'builtin'"),
-    Flag("served-model-name", str, "", "model name clients use (default: the model folder's name)"),
+    Flag("served-model-name", str, [],
+         "model names clients may send, repeatable (env: comma-separated); the first names responses and "
+         "labels metrics (default: the model folder's name)", repeatable=True),
+    Flag("max-model-len", int, 0,
+         "longest prompt + completion accepted, in tokens (vLLM's flag; longer requests get 400); 0: the "
+         "model's max_position_embeddings. Give the workers the same value"),
+    Flag("chat-template", str, "",
+         "a file holding a Jinja chat template, or the template itself, used instead of the model's"),
+    Flag("generation-config", str, "auto",
+         "auto: the model folder's generation_config.json sampling defaults apply to requests that do not "
+         "set them (vLLM's rule); vllm: none; or a folder holding a generation_config.json"),
     Flag("prefill", str, [], "prefill worker host:port (repeatable)", repeatable=True),
     Flag("decode", str, [], "decode worker host:port (repeatable)", repeatable=True),
     Flag("policy", str, "round_robin", "worker selection policy",

@@ -181,6 +181,10 @@ class Tokenizer(ABC):
         )
         return self.encode(text, add_special_tokens=False)
 
+    def override_chat_template(self, template: str) -> None:
+        """Use `template` for every chat, tools or not (a server's --chat-template)."""
+        self._chat_templates = {"default": template}
+
     def _select_chat_template(self, requested: str | None, tools: object) -> str:
         # Same choice as transformers: a named template if asked for, the "tool_use" one when tools
         # are given and it exists, otherwise "default".

@@ -37,7 +37,7 @@ from starlette.requests import ClientDisconnect
 from services.common.logging_setup import bound_contextvars, bound_room, get_logger
 from services.common.metrics import CONTENT_TYPE, Metrics
 from services.common.tokenizer import BUILTIN_NAMES, Tokenizer, load_tokenizer
-from services.router import errors, extra_routes, openapi
+from services.router import errors, extra_routes, model_controls, openapi
 from services.router.errors import APIError
 from services.router.fanout import FanIn, PrefillShare, Single
 from services.router.fastpath import RouterApp
@@ -75,7 +75,10 @@ class RouterSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     model: str = "builtin"
-    served_model_name: str = ""
+    served_model_name: list[str] = field(default_factory=list)  # or one name
+    max_model_len: int = 0  # 0: the model's max_position_embeddings
+    chat_template: str = ""  # a file or the template; empty: the model's
+    generation_config: str = "auto"  # services/router/model_controls.py
     policy: str = "round_robin"
     mode: str = "pd"  # "colocated": decode workers only (services/router/attempt.py)
     api_key: str = ""
@@ -101,9 +104,8 @@ class RouterSettings:
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
 
-def served_name(model: str, explicit: str = "") -> str:
-    if explicit:
-        return explicit
+def served_name(model: str) -> str:
+    """The name a model is served under when --served-model-name gives none."""
     if model in BUILTIN_NAMES:
         return BUILTIN_MODEL_NAME  # the name the workers label their metrics with
     return Path(model).resolve().name or model
@@ -141,10 +143,20 @@ class Router:
     def __init__(self, settings: RouterSettings, tokenizer: Tokenizer | None = None):
         self.settings = settings
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings.model)
-        name = served_name(settings.model, settings.served_model_name)
-        aliases = frozenset({settings.model, *(BUILTIN_NAMES[1:] if settings.model in BUILTIN_NAMES else ())}) - {""}
-        self.info = ModelInfo(name=name, tokenizer=self.tokenizer, context_length=context_length(settings.model),
-                              aliases=aliases, tool_parser=tool_parser(settings.tool_call_parser, self.tokenizer))
+        template = model_controls.chat_template(settings.chat_template)
+        if template is not None:
+            self.tokenizer.override_chat_template(template)
+        self.names = model_controls.served_names(settings.model, settings.served_model_name,
+                                                 served_name(settings.model))
+        name = self.names[0]
+        aliases = frozenset({settings.model, *self.names[1:],
+                             *(BUILTIN_NAMES[1:] if settings.model in BUILTIN_NAMES else ())}) - {""}
+        self.info = ModelInfo(name=name, tokenizer=self.tokenizer,
+                              context_length=model_controls.max_model_len(settings.max_model_len,
+                                                                          context_length(settings.model)),
+                              aliases=aliases, tool_parser=tool_parser(settings.tool_call_parser, self.tokenizer),
+                              defaults=model_controls.generation_defaults(settings.model, settings.generation_config),
+                              capacity=lambda: self.pool.decode_capacity())
         self.token_strings = TokenStrings(self.tokenizer)
         self.shared: SharedState | None = None  # the other router processes' admissions and loads
         self.siblings: SiblingMetrics | None = None  # their /metrics
@@ -208,7 +220,9 @@ class Router:
         if self.siblings is not None:
             await self.siblings.start()
         await self.pool.start()
-        log.info("worker pool probed", model=self.info.name, context_length=self.info.context_length,
+        log.info("worker pool probed", model=self.info.name, served_model_names=self.names,
+                 max_model_len=self.info.context_length, sampling_defaults=dict(self.info.defaults),
+                 decode_capacity_tokens=self.pool.decode_capacity(),
                  prefill=self.settings.prefill, decode=self.settings.decode, policy=self.settings.policy,
                  pool=self.pool.status())
 
@@ -605,9 +619,9 @@ def create_app(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> 
 
     app.openapi = custom_openapi  # type: ignore[method-assign]
 
-    def model_card() -> dict[str, Any]:
+    def model_card(name: str) -> dict[str, Any]:
         return {
-            "id": router.info.name,
+            "id": name,
             "object": "model",
             "created": router.created,
             "owned_by": "pdmesh",
@@ -623,7 +637,7 @@ def create_app(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> 
         except APIError as e:
             return router.error_response(e)
         router.count(200)
-        return JSONResponse({"object": "list", "data": [model_card()]})
+        return JSONResponse({"object": "list", "data": [model_card(n) for n in router.names]})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> Response:
@@ -634,7 +648,7 @@ def create_app(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> 
         except APIError as e:
             return router.error_response(e)
         router.count(200)
-        return JSONResponse(model_card())
+        return JSONResponse(model_card(model_id if model_id in router.names else router.info.name))
 
     @app.get("/health")
     async def health() -> Response:

@@ -74,6 +74,7 @@ class Worker:
     ejections: int = 0  # times this process ejected it (shared, so the others probe it at once)
     peer_ejections: int = 0  # the other processes' ejections of it, as last read
     external_load: int = 0  # queued + running on the worker that are not ours (last Load report)
+    capacity_tokens: int = 0  # tokens its KV pool holds (last Load report; 0: not reported)
     last_error: str = ""
     last_change: float = field(default_factory=time.time)
     channel: grpc.aio.Channel | None = None
@@ -281,6 +282,7 @@ class WorkerPool:
         except grpc.aio.AioRpcError:
             return  # keep the last report; load is advisory, health decides admission
         w.external_load = max(0, reply.queued + reply.running - w.inflight - w.peer_inflight)
+        w.capacity_tokens = reply.kv_capacity_tokens
 
     def _mark(self, w: Worker, healthy: bool, why: str) -> None:
         w.healthy = healthy
@@ -329,6 +331,11 @@ class WorkerPool:
         task.add_done_callback(self._background.discard)
 
     # --- selection -----------------------------------------------------------------------------
+
+    def decode_capacity(self) -> int | None:
+        """Tokens the largest healthy decode's KV pool holds (None: none has said): the most one
+        request's prompt + completion can ever take."""
+        return max((w.capacity_tokens for w in self.decodes if w.healthy and w.capacity_tokens), default=None)
 
     def has_healthy_pair(self) -> bool:
         return (self.colocated or any(w.healthy for w in self.prefills)) and any(w.healthy for w in self.decodes)

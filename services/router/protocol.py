@@ -9,7 +9,7 @@ ignored, as OpenAI does. Prompts and chat rendering: prompts.py; tools: tools.py
 from __future__ import annotations
 
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -60,6 +60,9 @@ class ModelInfo:
     # the model's generation_config.json sampling defaults, keyed by request field (GENERATION_DEFAULTS);
     # a request's own value wins
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    # tokens the largest healthy decode's KV pool holds (None: not known yet): a default max_tokens
+    # never asks for more than that
+    capacity: Callable[[], int | None] | None = None
 
 
 @dataclass
@@ -356,7 +359,11 @@ def _max_tokens(body: dict, names: tuple[str, ...], prompt_len: int, info: Model
             code="context_length_exceeded",
         )
     if requested is None:
-        return min(default, room) if default is not None else room
+        limit = min(default, room) if default is not None else room
+        capacity = info.capacity() if info.capacity is not None else None
+        if capacity:
+            limit = min(limit, max(1, capacity - prompt_len))
+        return limit
     if prompt_len + requested > info.context_length:
         raise bad_request(
             f"This model's maximum context length is {info.context_length} tokens. However, you requested "

@@ -378,6 +378,7 @@ class WorkerPool:
                 "healthy": w.healthy,
                 "inflight": w.inflight,
                 "external_load": w.external_load,
+                "kv_capacity_tokens": w.capacity_tokens or None,
                 "last_error": w.last_error or None,
             }
 

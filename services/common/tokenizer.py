@@ -243,11 +243,25 @@ def render_chat_template(template: str, untrusted: bool = False, **variables: An
         raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
 
-@lru_cache(maxsize=16)
 def _compile_chat_template(template: str, untrusted: bool = False) -> jinja2.Template:
+    # clients' templates have a cache of their own, so they never evict the model's
+    return _compile_untrusted(template) if untrusted else _compile_trusted(template)
+
+
+@lru_cache(maxsize=16)
+def _compile_trusted(template: str) -> jinja2.Template:
+    return _compile(template, ImmutableSandboxedEnvironment)
+
+
+@lru_cache(maxsize=16)
+def _compile_untrusted(template: str) -> jinja2.Template:
+    return _compile(template, LimitedSandbox)
+
+
+def _compile(template: str, sandbox: type[ImmutableSandboxedEnvironment]) -> jinja2.Template:
     # trim_blocks/lstrip_blocks and these helpers are what HF templates are written against;
     # without them the whitespace (and therefore the tokens) differ from transformers.
-    env = (LimitedSandbox if untrusted else ImmutableSandboxedEnvironment)(
+    env = sandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson

@@ -75,6 +75,7 @@ class Worker:
     peer_ejections: int = 0  # the other processes' ejections of it, as last read
     external_load: int = 0  # queued + running on the worker that are not ours (last Load report)
     capacity_tokens: int = 0  # tokens its KV pool holds (last Load report; 0: not reported)
+    max_model_len: int = 0  # its --max-model-len (last Load report; 0: not reported)
     last_error: str = ""
     last_change: float = field(default_factory=time.time)
     channel: grpc.aio.Channel | None = None
@@ -283,6 +284,7 @@ class WorkerPool:
             return  # keep the last report; load is advisory, health decides admission
         w.external_load = max(0, reply.queued + reply.running - w.inflight - w.peer_inflight)
         w.capacity_tokens = reply.kv_capacity_tokens
+        w.max_model_len = reply.max_model_len
 
     def _mark(self, w: Worker, healthy: bool, why: str) -> None:
         w.healthy = healthy
@@ -333,9 +335,10 @@ class WorkerPool:
     # --- selection -----------------------------------------------------------------------------
 
     def decode_capacity(self) -> int | None:
-        """Tokens the largest healthy decode's KV pool holds (None: none has said): the most one
-        request's prompt + completion can ever take."""
-        return max((w.capacity_tokens for w in self.decodes if w.healthy and w.capacity_tokens), default=None)
+        """The most tokens (prompt + completion) one request can take on the roomiest healthy
+        decode: its KV pool's size, or its --max-model-len when that is smaller (None: none has said)."""
+        return max((min(w.capacity_tokens, w.max_model_len or w.capacity_tokens)
+                    for w in self.decodes if w.healthy and w.capacity_tokens), default=None)
 
     def has_healthy_pair(self) -> bool:
         return (self.colocated or any(w.healthy for w in self.prefills)) and any(w.healthy for w in self.decodes)
@@ -379,6 +382,7 @@ class WorkerPool:
                 "inflight": w.inflight,
                 "external_load": w.external_load,
                 "kv_capacity_tokens": w.capacity_tokens or None,
+                "max_model_len": w.max_model_len or None,
                 "last_error": w.last_error or None,
             }
 

@@ -77,6 +77,8 @@ def test_workers_log_their_token_capacity(served):
         assert sized, worker.log()[-2000:]
         assert sized[0]["tokens"] == PAGES * 16 and sized[0]["source"] == "kv-cache-memory-bytes"
         assert sized[0]["max_model_len"] == MAX_MODEL_LEN
+    decodes = list(r.health()["decode"].values())
+    assert decodes[0]["kv_capacity_tokens"] == PAGES * 16 and decodes[0]["max_model_len"] == MAX_MODEL_LEN
 
 
 def test_a_request_over_the_length_is_a_400(served):

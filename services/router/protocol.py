@@ -102,6 +102,7 @@ class GenerateSpec:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
     request_id: str | None = None  # the client's (body request_id; an X-Request-Id header wins)
     session_id: str | None = None  # vLLM's session identity: logged
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name tokens "token_id:N"
     # a batched completions request: one spec per prompt (each with its own prompt_ids, echo_text
     # and max_tokens); empty for a single prompt, whose spec is this one
     batch: tuple[GenerateSpec, ...] = ()
@@ -339,6 +340,7 @@ def _common(body: dict, info: ModelInfo, kind: str) -> dict[str, Any]:
     kw["skip_special_tokens"] = get_bool(body, "skip_special_tokens", True)
     kw["include_stop_str_in_output"] = get_bool(body, "include_stop_str_in_output", False)
     kw["request_id"], kw["session_id"] = _ids_of_request(body)
+    kw["tokens_as_ids"] = get_bool(body, "return_tokens_as_token_ids", False)
     kw["grammar"] = structured_output(body, kw["ignore_eos"])
     return kw
 

@@ -144,10 +144,18 @@ class ResponseState:
 
     # --- logprobs -----------------------------------------------------------------------------
 
+    def _token(self, token_id: int) -> tuple[str, list[int]]:
+        """A token's text and bytes in logprobs; vLLM's return_tokens_as_token_ids spells it
+        "token_id:N", which names tokens that are not valid text on their own."""
+        if self.spec.tokens_as_ids:
+            text = f"token_id:{token_id}"
+            return text, list(text.encode("ascii"))
+        return self.token_strings.get(token_id)
+
     def _completion_logprobs(self, entries) -> dict[str, Any] | None:
         if self.spec.logprobs is None:
             return None
-        tokens = [self.token_strings.get(t)[0] for t, _, _, _ in entries]
+        tokens = [self._token(t)[0] for t, _, _, _ in entries]
         lps = [_lp(lp) for _, lp, _, _ in entries]
         tops = None
         if self.spec.logprobs > 0:
@@ -155,7 +163,7 @@ class ResponseState:
             # always in it (vLLM's rule), even when it is not among the k most likely
             tops = []
             for (_, lp, _, top), text in zip(entries, tokens, strict=True):
-                alternatives = {self.token_strings.get(t)[0]: _lp(v) for t, v in top or []}
+                alternatives = {self._token(t)[0]: _lp(v) for t, v in top or []}
                 alternatives.setdefault(text, _lp(lp))
                 tops.append(alternatives)
         return {
@@ -170,10 +178,10 @@ class ResponseState:
             return None
         content = []
         for token, lp, _, top in entries:
-            text, raw = self.token_strings.get(token)
+            text, raw = self._token(token)
             alternatives = []
             for t, v in (top or [])[: self.spec.logprobs]:
-                t_text, t_raw = self.token_strings.get(t)
+                t_text, t_raw = self._token(t)
                 alternatives.append({"token": t_text, "logprob": _lp(v), "bytes": t_raw})
             content.append({"token": text, "logprob": _lp(lp), "bytes": raw, "top_logprobs": alternatives})
         return {"content": content, "refusal": None}

@@ -117,3 +117,16 @@ def test_sampling_fields_reach_both_workers(cluster):  # noqa: F811
         assert p.min_p == 0.25 and list(p.allowed_token_ids) == [72, 101, 108]
         assert [list(s.token_ids) for s in p.bad_words][0] == TOK.encode("lo", add_special_tokens=False)
     cluster.all_rpcs_ended()
+
+
+def test_return_tokens_as_token_ids(cluster):  # noqa: F811
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 3, "logprobs": 1, "return_tokens_as_token_ids": True}
+    lp = httpx.post(cluster.url + "/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in b"Hel"]
+    assert all(set(top) == {tok} for top, tok in zip(lp["top_logprobs"], lp["tokens"], strict=True))
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "logprobs": True,
+            "return_tokens_as_token_ids": True}
+    content = httpx.post(cluster.url + "/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in b"He"]
+    assert content[0]["bytes"] == list(f"token_id:{ord('H')}".encode())
+    cluster.all_rpcs_ended()

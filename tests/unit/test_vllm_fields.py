@@ -95,6 +95,7 @@ SHARED_EFFECTS = {
     "response_format": ({}, SCHEMA, lambda s: _wire(s).grammar),
     "structured_outputs": ({}, {"regex": "[ab]+"}, lambda s: _wire(s).grammar),
     "request_id": ({}, "abc", lambda s: s.request_id),
+    "return_tokens_as_token_ids": ({}, True, lambda s: s.tokens_as_ids),
 }
 CHAT_EFFECTS = {
     **SHARED_EFFECTS,
@@ -130,7 +131,7 @@ COMPLETION_EFFECTS = {
 REFUSED_VALUES = {
     "use_beam_search": True, "length_penalty": 0.5, "watermarking": True, "spaces_between_special_tokens": False,
     "prompt_logprobs": 1, "logprob_token_ids": [1], "prompt_embeds": "AAAA", "media_io_kwargs": {"image": {}},
-    "mm_processor_kwargs": {"a": 1}, "priority": 1, "return_tokens_as_token_ids": True, "return_token_ids": True,
+    "mm_processor_kwargs": {"a": 1}, "priority": 1, "return_token_ids": True,
     "return_token_offsets": True, "return_prompt_text": True, "return_mm_kwargs": False,
     "routed_experts_prompt_start": 1, "cache_salt": "salt", "kv_transfer_params": {"a": 1},
     "ec_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "repetition_detection": {"n": 3},

@@ -91,6 +91,7 @@ class _Sampling(_Body):
                                    description="vLLM extension: names the response (an X-Request-Id header wins)")
     session_id: str | None = Field(None, pattern=r"^[!-~]{1,128}$", description="vLLM extension: logged")
     return_tokens_as_token_ids: bool | None = Field(None, description="vLLM extension: logprobs name tokens token_id:N")
+    return_token_ids: bool | None = Field(None, description="vLLM extension: prompt and generated token ids")
     user: str | None = Field(None, description="Informational")
     metadata: dict[str, Any] | None = Field(None, description="Informational")
     store: bool | None = Field(None, description="Informational: nothing is stored")

@@ -103,6 +103,7 @@ class GenerateSpec:
     request_id: str | None = None  # the client's (body request_id; an X-Request-Id header wins)
     session_id: str | None = None  # vLLM's session identity: logged
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name tokens "token_id:N"
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's generated ids in the response
     # a batched completions request: one spec per prompt (each with its own prompt_ids, echo_text
     # and max_tokens); empty for a single prompt, whose spec is this one
     batch: tuple[GenerateSpec, ...] = ()
@@ -341,6 +342,7 @@ def _common(body: dict, info: ModelInfo, kind: str) -> dict[str, Any]:
     kw["include_stop_str_in_output"] = get_bool(body, "include_stop_str_in_output", False)
     kw["request_id"], kw["session_id"] = _ids_of_request(body)
     kw["tokens_as_ids"] = get_bool(body, "return_tokens_as_token_ids", False)
+    kw["return_token_ids"] = get_bool(body, "return_token_ids", False)
     kw["grammar"] = structured_output(body, kw["ignore_eos"])
     return kw
 

@@ -60,6 +60,11 @@ class ResponseState:
         self.tool_stream = self.tool_format.stream() if self.tool_format and spec.stream else None
         self._tool_deltas: list[dict[str, Any]] = []  # for the next delta_chunk
         self._text_template: list[bytes] | None = None  # delta_event's event bytes around the text
+        # vLLM's return_token_ids: every generated id (the one that stopped decode too, as counted
+        # in usage), and those not yet sent in a stream
+        self.token_ids: list[int] = []
+        self._pending_ids: list[int] = []
+        self._prompt_ids_sent = False
 
     @property
     def prompt_tokens(self) -> int:
@@ -76,6 +81,9 @@ class ResponseState:
         n = len(chunk.token_ids)
         for i, token in enumerate(chunk.token_ids):
             self.completion_tokens += 1
+            if self.spec.return_token_ids:
+                self.token_ids.append(token)
+                self._pending_ids.append(token)
             offset = len(self.spec.echo_text) + len(self.out.text)
             # The token that made decode stop (eos or a stop_token_id) is counted but not shown.
             if not (chunk.finish_reason == "stop" and i == n - 1):
@@ -204,19 +212,25 @@ class ResponseState:
 
     def choice(self) -> dict[str, Any]:
         if self.spec.kind == "completion":
-            return {
+            out = {
                 "index": self.index,
                 "text": self.text,
                 "logprobs": self._completion_logprobs(self.entries),
                 "finish_reason": self.finish_reason,
             }
+            if self.spec.return_token_ids:
+                out.update(prompt_token_ids=self.spec.prompt_ids, token_ids=self.token_ids)
+            return out
         message, finish_reason = self._message()
-        return {
+        out = {
             "index": self.index,
             "message": message,
             "logprobs": self._chat_logprobs(self.entries),
             "finish_reason": finish_reason,
         }
+        if self.spec.return_token_ids:
+            out["token_ids"] = self.token_ids
+        return out
 
     def body(self, states: list[ResponseState] | None = None) -> dict[str, Any]:
         """The non-streaming response (`states`: every choice's state, this one first; default just this)."""
@@ -229,6 +243,8 @@ class ResponseState:
             "system_fingerprint": None,
             "choices": [s.choice() for s in states],
             "usage": self.usage(states),
+            **({"prompt_token_ids": self.spec.prompt_ids}
+               if self.spec.return_token_ids and self.spec.kind == "chat" else {}),
         }
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -247,18 +263,24 @@ class ResponseState:
         return obj
 
     def role_chunk(self) -> dict[str, Any]:
-        """Chat streams open with the assistant role and empty content, as OpenAI's do."""
-        return self._chunk(
+        """Chat streams open with the assistant role and empty content, as OpenAI's do (with
+        return_token_ids, the prompt's ids ride on it, as vLLM's first chunk)."""
+        obj = self._chunk(
             [{"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
               "finish_reason": None}]
         )
+        if self.spec.return_token_ids:
+            obj["prompt_token_ids"] = self.spec.prompt_ids
+            self._prompt_ids_sent = True
+        return obj
 
     def delta_chunk(self, text: str, entries, finish_reason: str | None) -> dict[str, Any] | None:
         """The SSE payload for new text/logprobs/tool-call deltas (None when there is nothing to say)."""
         calls = _merge_tool_deltas(self._tool_deltas)
         self._tool_deltas = []
         if not text and not entries and finish_reason is None and not calls:
-            return None
+            return None  # ids of held-back text go out with the next chunk
+        ids, self._pending_ids = self._pending_ids, []
         if self.spec.kind == "completion":
             choice = {
                 "index": self.index,
@@ -266,6 +288,11 @@ class ResponseState:
                 "logprobs": self._completion_logprobs(entries) if entries else None,
                 "finish_reason": finish_reason,
             }
+            if self.spec.return_token_ids:
+                if not self._prompt_ids_sent:
+                    choice["prompt_token_ids"] = self.spec.prompt_ids
+                    self._prompt_ids_sent = True
+                choice["token_ids"] = ids
         else:
             delta: dict[str, Any] = {"content": text} if text or (finish_reason is None and not calls) else {}
             if calls:
@@ -278,12 +305,15 @@ class ResponseState:
                 "logprobs": self._chat_logprobs(entries) if entries else None,
                 "finish_reason": finish_reason,
             }
+            if self.spec.return_token_ids:
+                choice["token_ids"] = ids
         return self._chunk([choice])
 
     def delta_event(self, text: str, entries, finish_reason: str | None) -> bytes | None:
         """delta_chunk() as an SSE event, byte for byte; plain text (no logprobs, not the last
         event) fills a template made once per choice instead of building and encoding the object."""
-        if entries or finish_reason is not None or self._tool_deltas or self.spec.continuous_usage:
+        if (entries or finish_reason is not None or self._tool_deltas or self.spec.continuous_usage
+                or self.spec.return_token_ids):
             payload = self.delta_chunk(text, entries, finish_reason)
             return None if payload is None else sse_event(payload)
         if not text:

@@ -130,3 +130,26 @@ def test_return_tokens_as_token_ids(cluster):  # noqa: F811
     assert [c["token"] for c in content] == [f"token_id:{t}" for t in b"He"]
     assert content[0]["bytes"] == list(f"token_id:{ord('H')}".encode())
     cluster.all_rpcs_ended()
+
+
+def test_return_token_ids(cluster):  # noqa: F811
+    prompt_ids = TOK.encode("xy")
+    body = {"model": MODEL, "prompt": "xy", "max_tokens": 4, "return_token_ids": True}
+    choice = httpx.post(cluster.url + "/v1/completions", json=body).json()["choices"][0]
+    assert choice["prompt_token_ids"] == prompt_ids and choice["token_ids"] == list(b"Hell")
+    events = _events(cluster.url + "/v1/completions", {**body, "stream": True})
+    choices = [e["choices"][0] for e in events]
+    assert choices[0]["prompt_token_ids"] == prompt_ids
+    assert not any("prompt_token_ids" in c for c in choices[1:])
+    assert [t for c in choices for t in c["token_ids"]] == list(b"Hell")
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "return_token_ids": True,
+            "stop": ["l"]}
+    out = httpx.post(cluster.url + "/v1/chat/completions", json=chat).json()
+    assert out["prompt_token_ids"] == TOK.encode_chat(chat["messages"])
+    assert out["choices"][0]["token_ids"] == list(b"Hel") and out["choices"][0]["message"]["content"] == "He"
+    events = _events(cluster.url + "/v1/chat/completions", {**chat, "stream": True})
+    assert events[0]["prompt_token_ids"] == out["prompt_token_ids"]
+    assert [t for e in events[1:] for t in e["choices"][0]["token_ids"]] == list(b"Hel")
+    plain = httpx.post(cluster.url + "/v1/completions", json={**body, "return_token_ids": False}).json()
+    assert "token_ids" not in plain["choices"][0]
+    cluster.all_rpcs_ended()

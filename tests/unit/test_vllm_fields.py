@@ -96,6 +96,7 @@ SHARED_EFFECTS = {
     "structured_outputs": ({}, {"regex": "[ab]+"}, lambda s: _wire(s).grammar),
     "request_id": ({}, "abc", lambda s: s.request_id),
     "return_tokens_as_token_ids": ({}, True, lambda s: s.tokens_as_ids),
+    "return_token_ids": ({}, True, lambda s: s.return_token_ids),
 }
 CHAT_EFFECTS = {
     **SHARED_EFFECTS,
@@ -131,7 +132,7 @@ COMPLETION_EFFECTS = {
 REFUSED_VALUES = {
     "use_beam_search": True, "length_penalty": 0.5, "watermarking": True, "spaces_between_special_tokens": False,
     "prompt_logprobs": 1, "logprob_token_ids": [1], "prompt_embeds": "AAAA", "media_io_kwargs": {"image": {}},
-    "mm_processor_kwargs": {"a": 1}, "priority": 1, "return_token_ids": True,
+    "mm_processor_kwargs": {"a": 1}, "priority": 1,
     "return_token_offsets": True, "return_prompt_text": True, "return_mm_kwargs": False,
     "routed_experts_prompt_start": 1, "cache_salt": "salt", "kv_transfer_params": {"a": 1},
     "ec_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "repetition_detection": {"n": 3},
@@ -195,7 +196,7 @@ def test_openai_informational_fields_are_accepted(kind):
 
 def test_refused_defaults_sent_explicitly_are_accepted():
     _chat(use_beam_search=False, length_penalty=1.0, priority=0, stream_interval=1, include_reasoning=True,
-          spaces_between_special_tokens=True, return_token_ids=False, return_mm_kwargs=True)
+          spaces_between_special_tokens=True, return_prompt_text=False, return_mm_kwargs=True)
     _completion(suffix="", thinking_token_budget=-1, routed_experts_prompt_start=0)
     with pytest.raises(APIError):
         _chat(priority=True)  # a boolean is not the integer default

@@ -11,7 +11,8 @@ import torch
 INIT_RANGE = 0.15
 
 
-def save_tiny_llama(folder: pathlib.Path, *, llama3_rope: bool = True, seed: int = 0) -> pathlib.Path:
+def save_tiny_llama(folder: pathlib.Path, *, llama3_rope: bool = True, seed: int = 0, vocab_size: int = 300,
+                    max_positions: int = 512) -> pathlib.Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -26,13 +27,13 @@ def save_tiny_llama(folder: pathlib.Path, *, llama3_rope: bool = True, seed: int
             "original_max_position_embeddings": 64,
         }
     cfg = LlamaConfig(
-        vocab_size=300,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=160,
         num_hidden_layers=3,
         num_attention_heads=8,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         rms_norm_eps=1e-5,
         rope_parameters=rope,
         tie_word_embeddings=False,

@@ -55,7 +55,16 @@ WORKER_FLAGS = [
          "the model's name in metrics (model_name label), as clients and the router call it; set it like "
          "the router's flag of the same name (default: the model folder's name)"),
     Flag("page-size", int, 16, "tokens per KV page"),
-    Flag("num-pages", int, 4096, "KV pages in this worker's pool (allocated once at start)"),
+    Flag("num-pages", int, 0,
+         "KV pages in this worker's pool (allocated once at start); 0: sized from --kv-cache-memory-bytes, else "
+         "on CUDA from --gpu-memory-utilization, else 4096"),
+    Flag("kv-cache-memory-bytes", int, 0,
+         "bytes of KV cache to allocate, on any device (vLLM's flag); 0: not set. --num-pages wins"),
+    Flag("gpu-memory-utilization", float, 0.9,
+         "on CUDA without --num-pages or --kv-cache-memory-bytes: the fraction of the device's memory for "
+         "weights, activations and KV cache together (vLLM's meaning)"),
+    Flag("max-model-len", int, 0,
+         "longest prompt + completion served, in tokens (vLLM's flag); 0: the model's max_position_embeddings"),
     Flag("watchdog-interval", float, 1.0, "seconds between watchdog sweeps (runs even when idle)"),
     Flag("prefix-cache", bool, True,
          "on: full KV pages stay cached after their request and a later prompt with the same prefix "
@@ -129,7 +138,17 @@ ROUTER_FLAGS = [
     Flag("host", str, "127.0.0.1", "address the HTTP server binds to"),
     Flag("port", int, 8000, "HTTP port of the OpenAI-compatible API"),
     Flag("model", str, "builtin", "model folder for the tokenizer and chat template, or 'builtin'"),
-    Flag("served-model-name", str, "", "model name clients use (default: the model folder's name)"),
+    Flag("served-model-name", str, [],
+         "model names clients may send, repeatable (env: comma-separated); the first names responses and "
+         "labels metrics (default: the model folder's name)", repeatable=True),
+    Flag("max-model-len", int, 0,
+         "longest prompt + completion accepted, in tokens (vLLM's flag; longer requests get 400); 0: the "
+         "model's max_position_embeddings. Give the workers the same value"),
+    Flag("chat-template", str, "",
+         "a file holding a Jinja chat template, or the template itself, used instead of the model's"),
+    Flag("generation-config", str, "auto",
+         "auto: the model folder's generation_config.json sampling defaults apply to requests that do not "
+         "set them (vLLM's rule); vllm: none; or a folder holding a generation_config.json"),
     Flag("prefill", str, [], "prefill worker host:port (repeatable)", repeatable=True),
     Flag("decode", str, [], "decode worker host:port (repeatable)", repeatable=True),
     Flag("policy", str, "round_robin", "worker selection policy",

@@ -35,6 +35,13 @@ class SamplingParams:
     # services/engine/grammar.py); None: unconstrained.
     grammar: tuple[str, str] | None = None
     top_logprobs: int = 0  # alternatives reported beside each chosen token
+    # vLLM's min_p: after temperature, drop the tokens less likely than min_p x the most likely one.
+    min_p: float = 0.0
+    # vLLM's allowed_token_ids: the only ids sampling may pick (empty: all).
+    allowed_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # vLLM's bad_words as token sequences: a sequence's last id is banned while the generated ids
+    # end with the rest of it (services/engine/logits_processors.py).
+    bad_words: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -58,6 +65,12 @@ class SamplingParams:
             raise ValueError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
+            raise ValueError("min_p must be in [0, 1]")
+        if any(t < 0 for t in self.allowed_token_ids):
+            raise ValueError("allowed_token_ids must be >= 0")
+        if any(not seq or min(seq) < 0 for seq in self.bad_words):
+            raise ValueError("bad_words must be non-empty sequences of token ids >= 0")
 
     @property
     def greedy(self) -> bool:
@@ -70,4 +83,10 @@ class SamplingParams:
     @property
     def processes_logits(self) -> bool:
         """Whether the raw logits are changed before sampling (and so a history is needed)."""
-        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0 or self.grammar is not None
+        return (self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0 or self.grammar is not None
+                or self.restricts_tokens)
+
+    @property
+    def restricts_tokens(self) -> bool:
+        """Whether some ids are masked out by allowed_token_ids or bad_words."""
+        return bool(self.allowed_token_ids) or bool(self.bad_words)

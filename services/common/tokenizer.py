@@ -25,6 +25,13 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 
+from services.common.template_limits import (
+    MAX_RENDERED_CHARS,
+    LimitedSandbox,
+    TemplateLimitError,
+    run_with_deadline,
+)
+
 # The built-in model is an ordinary Hugging Face folder shipped in the repository
 # (scripts/train_builtin.py made it); "builtin" (the default) loads it like any downloaded checkpoint.
 BUILTIN_MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "pdmesh-tiny"
@@ -39,6 +46,7 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"
 EXTRA_CHAT_TEMPLATES_DIR = "additional_chat_templates"
 GENERATION_CONFIG_FILE = "generation_config.json"
 MODEL_CONFIG_FILE = "config.json"
+UNTRUSTED_RENDER_SECONDS = 2.0  # a client's own chat template gets this long to render
 
 # The named special tokens transformers hands to every chat template (its `special_tokens_map`).
 NAMED_SPECIAL_TOKENS = (
@@ -133,14 +141,18 @@ class Tokenizer(ABC):
         tools: Sequence[Mapping[str, Any]] | None = None,
         documents: Sequence[Mapping[str, Any]] | None = None,
         chat_template: str | None = None,
+        untrusted_template: bool = False,
         **kwargs: Any,
     ) -> str:
         """Render `messages` with the chat template, as transformers' apply_chat_template(tokenize=False).
 
-        `chat_template` may be a template string or the name of one of the tokenizer's templates.
+        `chat_template` may be a template string or the name of one of the tokenizer's templates;
+        with `untrusted_template` a string that names none of them (a client's own template) renders
+        under services/common/template_limits.py's bounds.
         Extra keyword arguments become template variables (e.g. enable_thinking=False).
         """
         template = self._select_chat_template(chat_template, tools)
+        untrusted = untrusted_template and chat_template is not None and chat_template not in self._chat_templates
         if not messages:
             raise ChatTemplateError("cannot apply a chat template to an empty conversation")
         if tools is not None and not all(isinstance(tool, Mapping) for tool in tools):
@@ -152,6 +164,7 @@ class Tokenizer(ABC):
             tools=None if tools is None else [dict(tool) for tool in tools],
             documents=None if documents is None else [dict(doc) for doc in documents],
             add_generation_prompt=add_generation_prompt,
+            untrusted=untrusted,
             **variables,
         )
 
@@ -167,6 +180,10 @@ class Tokenizer(ABC):
             messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs
         )
         return self.encode(text, add_special_tokens=False)
+
+    def override_chat_template(self, template: str) -> None:
+        """Use `template` for every chat, tools or not (a server's --chat-template)."""
+        self._chat_templates = {"default": template}
 
     def _select_chat_template(self, requested: str | None, tools: object) -> str:
         # Same choice as transformers: a named template if asked for, the "tool_use" one when tools
@@ -209,20 +226,42 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
     return normalized
 
 
-def render_chat_template(template: str, **variables: Any) -> str:
-    """Render a Hugging Face chat template in the same sandbox transformers uses."""
-    compiled = _compile_chat_template(template)
+def render_chat_template(template: str, untrusted: bool = False, **variables: Any) -> str:
+    """Render a Hugging Face chat template in the same sandbox transformers uses (`untrusted`: a
+    client's template, in a stricter one and under a time and size bound)."""
     try:
-        return compiled.render(**variables)
+        compiled = _compile_chat_template(template, untrusted)
+        if not untrusted:
+            return compiled.render(**variables)
+        text = run_with_deadline(lambda: compiled.render(**variables), UNTRUSTED_RENDER_SECONDS)
+        if len(text) > MAX_RENDERED_CHARS:
+            raise TemplateLimitError(f"the rendered prompt is longer than {MAX_RENDERED_CHARS} characters")
+        return text
+    except ChatTemplateError:
+        raise
     except Exception as exc:  # anything the template raises is the conversation's fault, not ours
         raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
 
+def _compile_chat_template(template: str, untrusted: bool = False) -> jinja2.Template:
+    # clients' templates have a cache of their own, so they never evict the model's
+    return _compile_untrusted(template) if untrusted else _compile_trusted(template)
+
+
 @lru_cache(maxsize=16)
-def _compile_chat_template(template: str) -> jinja2.Template:
+def _compile_trusted(template: str) -> jinja2.Template:
+    return _compile(template, ImmutableSandboxedEnvironment)
+
+
+@lru_cache(maxsize=16)
+def _compile_untrusted(template: str) -> jinja2.Template:
+    return _compile(template, LimitedSandbox)
+
+
+def _compile(template: str, sandbox: type[ImmutableSandboxedEnvironment]) -> jinja2.Template:
     # trim_blocks/lstrip_blocks and these helpers are what HF templates are written against;
     # without them the whitespace (and therefore the tokens) differ from transformers.
-    env = ImmutableSandboxedEnvironment(
+    env = sandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson

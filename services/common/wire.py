@@ -24,6 +24,9 @@ def params_from_pb(p: wpb.SamplingParams) -> SamplingParams:
         num_generated=int(p.num_generated),
         grammar=(p.grammar.kind, p.grammar.source) if p.grammar.kind else None,
         top_logprobs=int(p.top_logprobs),
+        min_p=float(p.min_p),
+        allowed_token_ids=tuple(int(t) for t in p.allowed_token_ids),
+        bad_words=tuple(tuple(int(t) for t in seq.token_ids) for seq in p.bad_words),
     )
 
 
@@ -42,6 +45,9 @@ def params_to_pb(p: SamplingParams) -> wpb.SamplingParams:
         min_tokens=p.min_tokens,
         num_generated=p.num_generated,
         top_logprobs=p.top_logprobs,
+        min_p=p.min_p,
+        allowed_token_ids=list(p.allowed_token_ids),
+        bad_words=[wpb.TokenSequence(token_ids=list(seq)) for seq in p.bad_words],
     )
     if p.grammar is not None:
         msg.grammar.kind, msg.grammar.source = p.grammar
@@ -67,12 +73,18 @@ def validate_prompt(token_ids: list[int], params: SamplingParams, vocab_size: in
     bad = next((t for t, _ in params.logit_bias if t >= vocab_size), None)
     if bad is not None:
         return f"logit_bias token id {bad} outside the vocabulary (size {vocab_size})"
+    bad = next((t for t in params.allowed_token_ids if t >= vocab_size), None)
+    if bad is not None:
+        return f"allowed_token_ids: token id {bad} outside the vocabulary (size {vocab_size})"
+    bad = next((t for seq in params.bad_words for t in seq if t >= vocab_size), None)
+    if bad is not None:
+        return f"bad_words: token id {bad} outside the vocabulary (size {vocab_size})"
     if params.num_generated >= len(token_ids):
         return f"num_generated ({params.num_generated}) must be less than the {len(token_ids)} token ids"
     if len(token_ids) + params.max_tokens > max_positions:
         return (
             f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-            f"model's context length {max_positions}"
+            f"max model length {max_positions}"
         )
     return None
 
@@ -84,7 +96,7 @@ def parse_request(pb_params: wpb.SamplingParams, token_ids: list[int], config) -
         params = params_from_pb(pb_params)
     except ValueError as e:
         raise ValueError(f"invalid sampling params: {e}") from None
-    why = validate_prompt(token_ids, params, config.vocab_size, config.max_position_embeddings)
+    why = validate_prompt(token_ids, params, config.vocab_size, config.max_model_len)
     if why:
         raise ValueError(why)
     return params

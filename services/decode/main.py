@@ -31,9 +31,7 @@ async def serve(argv=None) -> None:
     refuse_insecure_bind("decode", args.host, has_token, args.allow_insecure_bind)
     transport = configure_transport(args.advertise_host, args.host, args.transfer_tls,
                                     args.transfer_net_devices, args.transfer_tcp_user_timeout)
-    engine = await asyncio.to_thread(WorkerEngine, args.model, args.device, args.dtype, args.num_pages,
-                                     args.page_size, faults, prefix_cache=args.prefix_cache,
-                                     grammar_step_budget=args.grammar_step_budget)
+    engine = await asyncio.to_thread(WorkerEngine.from_settings, args, faults)
     agent = NixlAgent.for_pool("decode", engine.pool)
     receiver = KVReceiver(agent, engine.pool, verify_checksum=args.kv_checksum, corrupt_kv=faults.corrupt_kv,
                           fault_seed=faults.fault_seed)

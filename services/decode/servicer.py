@@ -111,8 +111,10 @@ class DecodeServicer(LaneServicerMixin, wpb_grpc.DecodeServicer):
             log.error("router refused: incompatible protocol version", reason=problem)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         queued, running = self.worker.load()
-        return wpb.LoadReply(queued=queued, running=running, token_usage=self.worker.engine.pool.token_usage,
-                             protocol_version=PROTOCOL_VERSION, min_protocol_version=MIN_PEER_VERSION)
+        engine = self.worker.engine
+        return wpb.LoadReply(queued=queued, running=running, token_usage=engine.pool.token_usage,
+                             protocol_version=PROTOCOL_VERSION, min_protocol_version=MIN_PEER_VERSION,
+                             kv_capacity_tokens=engine.capacity_tokens, max_model_len=engine.config.max_model_len)
 
     async def ResetPrefixCache(self, request, context):
         dropped = self.worker.reset_prefix_cache()

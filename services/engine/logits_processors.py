@@ -1,8 +1,13 @@
-"""Logit processing before sampling: logit_bias, min_tokens, and the three penalties, as vLLM defines them.
+"""Logit processing before sampling: allowed_token_ids, bad_words, logit_bias, min_tokens, and the
+three penalties, as vLLM defines them.
 
-Order (vLLM v1's Sampler): the processors that can change the argmax — min_tokens, then
-logit_bias — then the penalties (repetition, frequency, presence); temperature, top-k and top-p
-come after, in services/engine/sampler.py.
+Order (vLLM v1's Sampler): the masks (allowed_token_ids, then bad_words), the processors that can
+change the argmax — min_tokens, then logit_bias — then the penalties (repetition, frequency,
+presence); temperature, min_p, top-k and top-p come after, in services/engine/sampler.py.
+
+- allowed_token_ids: every other id gets -inf.
+- bad_words (token sequences): a sequence's last id gets -inf when the generated ids end with the
+  sequence's other ids (a one-id sequence: always), so no bad word is ever completed.
 
 - repetition_penalty r over prompt + generated tokens: a seen token's logit l becomes l / r if
   l > 0, else l * r.
@@ -31,11 +36,29 @@ def split_history(prompt: Sequence[int], output: Sequence[int], params: Sampling
     return list(prompt[:cut]), list(prompt[cut:]) + list(output)
 
 
+def banned_ids(bad_words: Sequence[Sequence[int]], generated: Sequence[int], vocab: int) -> list[int]:
+    """The ids bad_words forbid as the next token after `generated`."""
+    out = []
+    for seq in bad_words:
+        head, last = seq[:-1], seq[-1]
+        if last < vocab and (not head or (len(generated) >= len(head) and list(generated[-len(head):]) == list(head))):
+            out.append(last)
+    return out
+
+
 def process(logits: torch.Tensor, params: SamplingParams, prompt: Sequence[int], output: Sequence[int]) -> torch.Tensor:
     """A processed copy of one row of float32 logits [V]."""
     vocab, dev = logits.shape[-1], logits.device
     out = logits.clone()
     original, generated = split_history(prompt, output, params)
+    if params.allowed_token_ids:
+        allowed = torch.tensor([t for t in params.allowed_token_ids if t < vocab], dtype=torch.long, device=dev)
+        keep = torch.zeros(vocab, dtype=torch.bool, device=dev)
+        keep[allowed] = True
+        out = out.masked_fill(~keep, float("-inf"))
+    banned = banned_ids(params.bad_words, generated, vocab)
+    if banned:
+        out[torch.tensor(banned, dtype=torch.long, device=dev)] = float("-inf")
     if params.min_tokens and len(generated) < params.min_tokens:
         stops = [t for t in params.stop_token_ids if t < vocab]
         if stops:

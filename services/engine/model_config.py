@@ -32,6 +32,12 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     name: str = "model"
+    # the longest prompt + completion served (vLLM's --max-model-len); 0: max_position_embeddings
+    max_model_len: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.max_model_len:
+            object.__setattr__(self, "max_model_len", self.max_position_embeddings)
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], name: str = "model", source: str = "config.json") -> ModelConfig:

@@ -41,6 +41,12 @@ def _filtered_probs(logits: torch.Tensor, params: SamplingParams) -> tuple[torch
     logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
     scaled = logits / params.temperature
     sorted_logits, sorted_ids = torch.sort(scaled, descending=True)
+    if params.min_p > 0:
+        # vLLM's min_p, after temperature: keep the tokens at least min_p times as likely as the
+        # most likely one (probabilities relative to the first: exp(l - l_max))
+        keep = torch.exp(sorted_logits - sorted_logits[0]) >= params.min_p
+        keep[0] = True
+        sorted_logits, sorted_ids = sorted_logits[keep], sorted_ids[keep]
     if params.top_k and params.top_k > 0:
         sorted_logits = sorted_logits[: params.top_k]
         sorted_ids = sorted_ids[: params.top_k]
@@ -98,7 +104,7 @@ class Sampler:
             if p.processes_logits:
                 if histories is None:
                     raise ValueError("this request's sampling needs its token history")
-                if p.has_penalties or p.logit_bias or p.min_tokens:
+                if p.has_penalties or p.logit_bias or p.min_tokens or p.restricts_tokens:
                     row = logits_processors.process(row, p, *histories[i])
                 if p.grammar is not None:
                     row = _constrain(row, logits[i], allowed[i])

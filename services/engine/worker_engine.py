@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import pathlib
 import random
 import time
@@ -26,6 +27,7 @@ from services.common.faults import Faults
 from services.common.sampling_params import SamplingParams
 from services.common.tokenizer import load_tokenizer
 from services.engine.grammar import DEFAULT_STEP_BUDGET, GrammarError, GrammarRegistry, build_tokenizer
+from services.engine.kv_budget import size_pool
 from services.engine.kv_pool import KVPool
 from services.engine.loader import LoadedModel, load_model
 from services.engine.prefix_cache import PrefixCache
@@ -45,14 +47,26 @@ class ForwardFault(RuntimeError):
 class WorkerEngine:
     def __init__(
         self, model_path: str, device: str, dtype: str, num_pages: int, page_size: int, faults: Faults | None = None,
-        prefix_cache: bool = False,
-        grammar_step_budget: float = DEFAULT_STEP_BUDGET,
+        *, kv_cache_memory_bytes: int = 0, gpu_memory_utilization: float = 0.9, max_model_len: int = 0,
+        chunk_tokens: int = 512, prefix_cache: bool = False, grammar_step_budget: float = DEFAULT_STEP_BUDGET,
     ):
+        """num_pages 0: the pool is sized from the budget (services/engine/kv_budget.py); max_model_len
+        0: the model's max_position_embeddings."""
         if faults is not None and faults.slow_load:
             time.sleep(faults.slow_load)  # runs in the worker's load thread: its HTTP side keeps answering
         self.loaded: LoadedModel = load_model(model_path, device, None if dtype == "auto" else _DTYPES[dtype])
-        self.config = self.loaded.config
-        self.pool = KVPool(self.config, num_pages, page_size, self.loaded.device, self.loaded.dtype)
+        self.config = _with_max_model_len(self.loaded.config, max_model_len)
+        budget = size_pool(self.config, page_size, self.loaded.dtype, torch.device(self.loaded.device),
+                           num_pages=num_pages, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                           gpu_memory_utilization=gpu_memory_utilization, chunk_tokens=chunk_tokens)
+        self.pool = KVPool(self.config, budget.pages, page_size, self.loaded.device, self.loaded.dtype)
+        tokens = budget.pages * page_size
+        log.info("kv cache sized", pages=budget.pages, page_size=page_size, tokens=tokens, bytes=budget.nbytes,
+                 source=budget.source, max_model_len=self.config.max_model_len,
+                 max_concurrency=round(tokens / self.config.max_model_len, 2))
+        if tokens < self.config.max_model_len:
+            log.warning("kv cache holds fewer tokens than the max model length: longer requests are refused",
+                        tokens=tokens, max_model_len=self.config.max_model_len)
         self.runner = ModelRunner(self.loaded.model, self.pool)
         # full pages found again by their token ids (--prefix-cache); None: every page is a room's own
         self.prefix_cache = PrefixCache(self.pool.allocator, page_size) if prefix_cache else None
@@ -65,9 +79,23 @@ class WorkerEngine:
         self._forward_started: float | None = None  # monotonic start of the running forward
         self.forward_seq = 0  # forwards started so far: tells one stuck forward from the next
 
+    @classmethod
+    def from_settings(cls, settings: Any, faults: Faults | None = None) -> WorkerEngine:
+        """The engine a worker's settings (PrefillSettings / DecodeSettings) describe."""
+        return cls(settings.model, settings.device, settings.dtype, settings.num_pages, settings.page_size, faults,
+                   kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+                   gpu_memory_utilization=settings.gpu_memory_utilization, max_model_len=settings.max_model_len,
+                   chunk_tokens=settings.chunked_prefill_size, prefix_cache=settings.prefix_cache,
+                   grammar_step_budget=settings.grammar_step_budget)
+
     @property
     def model_name(self) -> str:
         return self.config.name
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the KV pool holds in all."""
+        return self.pool.num_pages * self.pool.page_size
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run one forward (fn) on the engine thread; the event loop keeps serving meanwhile."""
@@ -136,6 +164,17 @@ class WorkerEngine:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _with_max_model_len(config, max_model_len: int):
+    """The config with the length this worker serves (vLLM's --max-model-len: at most the model's
+    max_position_embeddings)."""
+    if max_model_len < 0:
+        raise ValueError(f"--max-model-len must be positive, got {max_model_len}")
+    if max_model_len > config.max_position_embeddings:
+        raise ValueError(f"--max-model-len {max_model_len} is more than the model's max_position_embeddings "
+                         f"({config.max_position_embeddings})")
+    return dataclasses.replace(config, max_model_len=max_model_len or config.max_position_embeddings)
 
 
 def _grammar_registry(model_path: str, loaded: LoadedModel, vocab_size: int,

@@ -32,9 +32,7 @@ async def serve(argv=None) -> None:
     refuse_insecure_bind("prefill", args.host, has_token, args.allow_insecure_bind)
     transport = configure_transport(args.advertise_host, args.host, args.transfer_tls,
                                     args.transfer_net_devices, args.transfer_tcp_user_timeout)
-    engine = await asyncio.to_thread(WorkerEngine, args.model, args.device, args.dtype, args.num_pages,
-                                     args.page_size, faults, prefix_cache=args.prefix_cache,
-                                     grammar_step_budget=args.grammar_step_budget)
+    engine = await asyncio.to_thread(WorkerEngine.from_settings, args, faults)
     agent = NixlAgent.for_pool("prefill", engine.pool)
     sender = KVSender(
         agent,

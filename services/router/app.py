@@ -39,7 +39,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from services.common.logging_setup import bound_room, get_logger
+from services.common.logging_setup import bound_contextvars, bound_room, get_logger
 from services.common.metrics import CONTENT_TYPE, Metrics
 from services.common.model_name import served_name
 from services.common.tokenizer import (
@@ -49,7 +49,7 @@ from services.common.tokenizer import (
     load_tokenizer,
     resolve_model_path,
 )
-from services.router import errors, openapi
+from services.router import errors, extra_routes, model_controls, openapi
 from services.router.cache_reset import reset_prefix_caches
 from services.router.canary import Canary
 from services.router.errors import APIError
@@ -60,7 +60,7 @@ from services.router.limits import RequestLimits
 from services.router.orchestrator import Orchestrator, new_room
 from services.router.output import TokenStrings
 from services.router.pool import WorkerPool
-from services.router.protocol import GenerateSpec, ModelInfo, parse_chat, parse_completion
+from services.router.protocol import GenerateSpec, ModelInfo, parse_chat, parse_completion, valid_request_id
 from services.router.render import ResponseState
 from services.router.shared_state import SharedState, state_path
 from services.router.sibling_metrics import SiblingMetrics
@@ -76,10 +76,10 @@ PARSE_IN_THREAD_BYTES = 64 * 1024  # tokenize bigger bodies off the event loop
 CLIENT_CLOSED = 499  # nginx's "client closed request", for metrics and logs only
 
 
-def error_json(error: APIError, request_id: int | None = None) -> JSONResponse:
+def error_json(error: APIError, request_id: int | str | None = None) -> JSONResponse:
     headers = dict(error.headers)
     if request_id is not None:
-        headers["X-Request-Id"] = f"{request_id:016x}"
+        headers["X-Request-Id"] = request_id if isinstance(request_id, str) else f"{request_id:016x}"
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
@@ -90,7 +90,10 @@ class RouterSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     model: str = "builtin"
-    served_model_name: str = ""
+    served_model_name: list[str] = field(default_factory=list)  # or one name
+    max_model_len: int = 0  # 0: the model's max_position_embeddings
+    chat_template: str = ""  # a file or the template; empty: the model's
+    generation_config: str = "auto"  # services/router/model_controls.py
     policy: str = "round_robin"
     mode: str = "pd"  # "colocated": decode workers only (services/router/attempt.py)
     api_key: str = ""
@@ -171,10 +174,20 @@ class Router:
     def __init__(self, settings: RouterSettings, tokenizer: Tokenizer | None = None):
         self.settings = settings
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings.model)
-        name = served_name(settings.model, settings.served_model_name)
-        aliases = frozenset({settings.model, *(BUILTIN_NAMES[1:] if settings.model in BUILTIN_NAMES else ())}) - {""}
-        self.info = ModelInfo(name=name, tokenizer=self.tokenizer, context_length=context_length(settings.model),
+        template = model_controls.chat_template(settings.chat_template)
+        if template is not None:
+            self.tokenizer.override_chat_template(template)
+        self.names = model_controls.served_names(settings.model, settings.served_model_name,
+                                                 served_name(settings.model))
+        name = self.names[0]
+        aliases = frozenset({settings.model, *self.names[1:],
+                             *(BUILTIN_NAMES[1:] if settings.model in BUILTIN_NAMES else ())}) - {""}
+        self.info = ModelInfo(name=name, tokenizer=self.tokenizer,
+                              context_length=model_controls.max_model_len(settings.max_model_len,
+                                                                          context_length(settings.model)),
                               aliases=aliases, tool_parser=tool_parser(settings.tool_call_parser, self.tokenizer),
+                              defaults=model_controls.generation_defaults(settings.model, settings.generation_config),
+                              capacity=lambda: self.pool.decode_capacity(),
                               limits=RequestLimits(settings.max_grammar_bytes, settings.max_request_worker_bytes))
         self.token_strings = TokenStrings(self.tokenizer)
         self.grammar_cost = grammar_cost(settings, self.tokenizer)
@@ -273,7 +286,9 @@ class Router:
             await self.siblings.start()
         await self.pool.start()
         self.canary.start()
-        log.info("worker pool probed", model=self.info.name, context_length=self.info.context_length,
+        log.info("worker pool probed", model=self.info.name, served_model_names=self.names,
+                 max_model_len=self.info.context_length, sampling_defaults=dict(self.info.defaults),
+                 decode_capacity_tokens=self.pool.decode_capacity(),
                  prefill=self.settings.prefill, decode=self.settings.decode, policy=self.settings.policy,
                  pool=self.pool.status())
 
@@ -294,7 +309,7 @@ class Router:
     def count(self, status: int) -> None:
         self.metrics.inc(self.metrics.router_requests, status=str(status))
 
-    def error_response(self, error: APIError, request_id: int | None = None) -> JSONResponse:
+    def error_response(self, error: APIError, request_id: int | str | None = None) -> JSONResponse:
         self.count(error.status)
         return error_json(error, request_id)
 
@@ -350,9 +365,10 @@ class Router:
 
     async def parse(self, kind: str, body: Any, size_hint: int) -> GenerateSpec:
         parse = parse_completion if kind == "completion" else parse_chat
+        # a request's own chat template may take up to its render bound: not on the event loop
+        in_thread = size_hint > PARSE_IN_THREAD_BYTES or (isinstance(body, dict) and body.get("chat_template") is not None)
         try:
-            spec = await asyncio.to_thread(parse, body, self.info) if size_hint > PARSE_IN_THREAD_BYTES \
-                else parse(body, self.info)
+            spec = await asyncio.to_thread(parse, body, self.info) if in_thread else parse(body, self.info)
         except RecursionError:  # a body deep enough to parse, walked by code that recurses
             raise errors.nested_too_deeply() from None
         if self.grammar_cost is not None:
@@ -366,35 +382,46 @@ class Router:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.request_timeout
         request_id = new_room()
-        with bound_room(request_id):
+        public_id = client_request_id(request)
+        with bound_room(request_id), bound_contextvars(**({"client_request_id": public_id} if public_id else {})):
             body_in = False
             try:
+                if public_id is not None and not valid_request_id(public_id):
+                    public_id = None
+                    raise errors.bad_request(
+                        "The X-Request-Id header must be 1 to 128 visible ASCII characters.", code="invalid_value")
                 self.check_auth(request)
                 self.check_capacity()
                 body, size = await self.read_json(request)
                 body_in = True
                 spec = await self.parse(kind, body, size)
                 # the slots are taken once the body is in and parsed: a client slow to send holds none
-                self.admit(spec.n)
+                self.admit(len(spec.prompts) * spec.n)
             except APIError as e:
                 log.info("request rejected", status=e.status, error=e.message[:300])
                 if not body_in:
                     # what is left of the body would arrive as the connection's next bytes: close it
                     e.headers = {**e.headers, "Connection": "close"}
-                return self.error_response(e, request_id)
+                return self.error_response(e, public_id or request_id)
             except ClientDisconnect:
                 self.count(CLIENT_CLOSED)
                 return Response(status_code=CLIENT_CLOSED)
             try:
                 self.metrics.inc(self.metrics.num_requests)
-                self.metrics.inc(self.metrics.prompt_tokens, len(spec.prompt_ids))
-                run = _Run(self, spec, request_id, t0, deadline)
+                self.metrics.inc(self.metrics.prompt_tokens, sum(len(p.prompt_ids) for p in spec.prompts))
+                public_id = public_id or spec.request_id or f"{request_id:016x}"
+                run = _Run(self, spec, request_id, t0, deadline, public_id)
             except BaseException:
-                self.active -= spec.n
+                self.active -= len(spec.prompts) * spec.n
                 raise
             if spec.stream:
                 return await run.stream(request)
             return await run.complete(request)
+
+
+def client_request_id(request: Request) -> str | None:
+    """The caller's X-Request-Id header (vLLM's rule: it names the response and is echoed back)."""
+    return request.headers.get("x-request-id")
 
 
 class _Run:
@@ -404,38 +431,45 @@ class _Run:
     with seed + index, sharing one prefill that computes the prompt once; the response is
     assembled from one ResponseState per choice."""
 
-    def __init__(self, router: Router, spec: GenerateSpec, request_id: int, t0: float, deadline: float):
+    def __init__(self, router: Router, spec: GenerateSpec, request_id: int, t0: float, deadline: float,
+                 public_id: str):
         self.router = router
         self.spec = spec
         self.request_id = request_id
+        self.public_id = public_id  # the client's X-Request-Id / request_id, else the room in hex
         self.t0 = t0
         self.deadline = deadline
-        rid = f"{request_id:016x}"
-        self.states = [ResponseState(spec, router.tokenizer, router.token_strings, rid, index=i)
-                       for i in range(spec.n)]
+        # choice k = prompt i x n + j (OpenAI's order for a batch); j samples with seed + j, so it
+        # equals choice j of the same prompt sent alone
+        self.choices = [(p, j) for p in spec.prompts for j in range(spec.n)]
+        self.states = [ResponseState(p, router.tokenizer, router.token_strings, public_id, index=k,
+                                     counts_prompt=j == 0)
+                       for k, (p, j) in enumerate(self.choices)]
         self.state = self.states[0]
         timeout = router.settings.request_timeout
-        buffered = router.settings.max_buffered_tokens * spec.n  # the flag is per choice
-        if spec.n == 1:
-            gen = router.orchestrator.generate(self._choice_spec(0), deadline, timeout, first_room=request_id)
+        buffered = router.settings.max_buffered_tokens * len(self.choices)  # the flag is per choice
+        if len(self.choices) == 1:
+            gen = router.orchestrator.generate(self._choice_spec(spec, 0), deadline, timeout, first_room=request_id)
             self.fan: FanIn | Single = FanIn([gen], buffered) if spec.stream else Single(gen)
         else:
-            share = PrefillShare(new_room())
+            # one prefill share per prompt: its n choices compute that prompt once
+            shares = {id(p): PrefillShare(new_room()) for p in spec.prompts}
             self.fan = FanIn([
-                router.orchestrator.generate(self._choice_spec(i), deadline, timeout,
-                                             first_room=request_id if i == 0 else None, share=share)
-                for i in range(spec.n)
+                router.orchestrator.generate(self._choice_spec(p, j), deadline, timeout,
+                                             first_room=request_id if k == 0 else None, share=shares[id(p)])
+                for k, (p, j) in enumerate(self.choices)
             ], buffered)
-        self.last_token_at: list[float | None] = [None] * spec.n
+        self.last_token_at: list[float | None] = [None] * len(self.choices)
         self.ttft: float | None = None
         self._ended: set[int] = set()  # choices whose last chunk (with a finish reason) was read
         self._finished = False
 
-    def _choice_spec(self, index: int) -> GenerateSpec:
-        """The spec of one choice: its own seed (choice 0 keeps the request's; no copy then —
-        dataclasses.replace of a GenerateSpec is a measurable part of a request)."""
-        seed = self.spec.choice_seed(index)
-        return self.spec if seed == self.spec.seed else replace(self.spec, seed=seed)
+    @staticmethod
+    def _choice_spec(spec: GenerateSpec, index: int) -> GenerateSpec:
+        """The spec of choice `index` of one prompt: its own seed (choice 0 keeps the request's; no
+        copy then — dataclasses.replace of a GenerateSpec is a measurable part of a request)."""
+        seed = spec.choice_seed(index)
+        return spec if seed == spec.seed else replace(spec, seed=seed)
 
     @property
     def all_finished(self) -> bool:
@@ -500,7 +534,7 @@ class _Run:
             return
         self._finished = True
         r = self.router
-        r.active -= self.spec.n
+        r.active -= len(self.choices)
         r.count(status)
         e2e = time.monotonic() - self.t0
         if self.ttft is not None:
@@ -508,10 +542,14 @@ class _Run:
         if status == CLIENT_CLOSED:
             r.metrics.inc(r.metrics.num_aborted_requests)
         fields = dict(
-            status=status, stream=self.spec.stream, prompt_tokens=self.state.prompt_tokens, n=self.spec.n,
+            status=status, stream=self.spec.stream, prompt_tokens=self.state.usage(self.states)["prompt_tokens"],
+            n=self.spec.n, prompts=len(self.spec.prompts),
             completion_tokens=self.completion_tokens, finish_reason=self.state.finish_reason,
             ttft_s=None if self.ttft is None else round(self.ttft, 4), e2e_s=round(e2e, 4),
+            client_request_id=self.public_id,
         )
+        if self.spec.session_id is not None:
+            fields["session_id"] = self.spec.session_id
         if error:
             log.warning("request failed", error=error[:500], **fields)
         else:
@@ -538,10 +576,10 @@ class _Run:
             await run_until_disconnect(self._collect(), request.receive)
             status, error = 200, None
             body = await self.state.body_json(self.states)
-            return Response(body, media_type="application/json", headers={"X-Request-Id": f"{self.request_id:016x}"})
+            return Response(body, media_type="application/json", headers={"X-Request-Id": self.public_id})
         except APIError as e:
             status, error = e.status, e.message
-            return error_json(e, self.request_id)
+            return error_json(e, self.public_id)
         except ClientDisconnected:
             status, error = CLIENT_CLOSED, "client disconnected"
             return Response(status_code=CLIENT_CLOSED)
@@ -551,7 +589,7 @@ class _Run:
     async def _first_of_each(self) -> list[tuple[int, object]]:
         """Chunks until every choice has sent one: failures before that are still an HTTP status."""
         got: list[tuple[int, object]] = []
-        while len({i for i, _ in got}) < self.spec.n:
+        while len({i for i, _ in got}) < len(self.choices):
             got.append(await self.next())
         return got
 
@@ -560,7 +598,7 @@ class _Run:
             first = await run_until_disconnect(self._first_of_each(), request.receive)
         except APIError as e:
             await self.end(e.status, e.message)
-            return error_json(e, self.request_id)
+            return error_json(e, self.public_id)
         except ClientDisconnected:
             await self.end(CLIENT_CLOSED, "client disconnected")
             return Response(status_code=CLIENT_CLOSED)
@@ -585,7 +623,7 @@ class _Run:
             self._events(first, outcome),
             on_close,
             bind=lambda: bound_room(self.request_id),
-            headers={"X-Request-Id": f"{self.request_id:016x}"},
+            headers={"X-Request-Id": self.public_id},
         )
 
         def too_far_behind() -> None:
@@ -687,9 +725,9 @@ def create_app(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> 
 
     app.openapi = custom_openapi  # type: ignore[method-assign]
 
-    def model_card() -> dict[str, Any]:
+    def model_card(name: str) -> dict[str, Any]:
         return {
-            "id": router.info.name,
+            "id": name,
             "object": "model",
             "created": router.created,
             "owned_by": "pdmesh",
@@ -705,7 +743,7 @@ def create_app(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> 
         except APIError as e:
             return router.error_response(e)
         router.count(200)
-        return JSONResponse({"object": "list", "data": [model_card()]})
+        return JSONResponse({"object": "list", "data": [model_card(n) for n in router.names]})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> Response:
@@ -716,7 +754,7 @@ def create_app(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> 
         except APIError as e:
             return router.error_response(e)
         router.count(200)
-        return JSONResponse(model_card())
+        return JSONResponse(model_card(model_id if model_id in router.names else router.info.name))
 
     @app.post("/reset_prefix_cache")
     @app.post("/flush_cache")
@@ -759,4 +797,5 @@ def create_app(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> 
         return router.error_response(APIError(500, "Internal server error.", code="internal_error"))
 
     app.fast_error = internal_error
+    extra_routes.register(app, router)
     return app

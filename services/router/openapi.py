@@ -14,7 +14,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
 
-from services.router.protocol import MAX_STOP_LENGTH, MAX_STOP_STRINGS
+from services.router.prompts import MAX_CHAT_TEMPLATE_CHARS, MAX_DOCUMENTS, MAX_PROMPTS, REASONING_EFFORTS
+from services.router.protocol import MAX_BAD_WORDS, MAX_STOP_LENGTH, MAX_STOP_STRINGS
 from services.router.tools import MAX_TOOLS, NAME_PATTERN
 
 StopStrings = str | list[str]
@@ -26,6 +27,8 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = Field(
+        None, description="vLLM extension: with include_usage, every chunk carries its choice's usage so far")
 
 
 class JsonSchemaFormat(_Body):
@@ -75,13 +78,30 @@ class _Sampling(_Body):
     guided_regex: str | None = Field(None, description="vLLM extension (older spelling)")
     guided_choice: list[str] | None = Field(None, description="vLLM extension (older spelling)")
     guided_grammar: str | None = Field(None, description="vLLM extension (older spelling); Lark, llguidance's dialect")
-    user: str | None = None
+    min_p: float | None = Field(None, ge=0, le=1, description="vLLM extension; after temperature")
+    allowed_token_ids: list[int] | None = Field(None, min_length=1, description="vLLM extension: the only ids sampled")
+    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS,
+                                        description="vLLM extension: words the output never completes")
+    include_stop_str_in_output: bool | None = Field(None, description="vLLM extension: keep the matched stop string")
+    truncate_prompt_tokens: int | None = Field(None, ge=-1,
+                                               description="vLLM extension: keep the last k prompt tokens (-1: the "
+                                                           "max model length; 0 is refused)")
+    truncation_side: Literal["left", "right"] | None = Field(None, description="vLLM extension; right keeps the first k")
+    request_id: str | None = Field(None, pattern=r"^[!-~]{1,128}$",
+                                   description="vLLM extension: names the response (an X-Request-Id header wins)")
+    session_id: str | None = Field(None, pattern=r"^[!-~]{1,128}$", description="vLLM extension: logged")
+    return_tokens_as_token_ids: bool | None = Field(None, description="vLLM extension: logprobs name tokens token_id:N")
+    return_token_ids: bool | None = Field(None, description="vLLM extension: prompt and generated token ids")
+    user: str | None = Field(None, description="Informational")
+    metadata: dict[str, Any] | None = Field(None, description="Informational")
+    store: bool | None = Field(None, description="Informational: nothing is stored")
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
-        description="A string or token ids (a one-element list of either is accepted too)"
+        description=f"A string or token ids, or a batch of up to {MAX_PROMPTS} of either (choice i x n + j)"
     )
+    add_special_tokens: bool | None = Field(None, description="vLLM extension (default true: bos is added)")
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool | None = None
     best_of: int | None = Field(None, description="Only equal to n is supported")
@@ -150,6 +170,15 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = Field(None, description="false: tool_choice required makes exactly one call")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM extension")
     add_generation_prompt: bool | None = Field(None, description="vLLM extension")
+    continue_final_message: bool | None = Field(None, description="vLLM extension: the last message left open")
+    echo: bool | None = Field(None, description="vLLM extension: the reply extends the last assistant message")
+    add_special_tokens: bool | None = Field(None, description="vLLM extension (default false)")
+    documents: list[dict[str, str]] | None = Field(None, max_length=MAX_DOCUMENTS,
+                                                   description="vLLM extension: handed to the chat template")
+    chat_template: str | None = Field(None, max_length=MAX_CHAT_TEMPLATE_CHARS,
+                                      description="vLLM extension: this request's own Jinja chat template")
+    reasoning_effort: Literal[REASONING_EFFORTS] | None = Field(  # type: ignore[valid-type]
+        None, description="Handed to the chat template (and enable_thinking), as vLLM does")
 
 
 MODELS = (CompletionRequest, ChatCompletionRequest)

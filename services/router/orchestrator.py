@@ -82,6 +82,9 @@ def sampling_params(spec: GenerateSpec, eos_ids: Sequence[int]) -> SamplingParam
         min_tokens=spec.min_tokens,
         grammar=spec.grammar,
         top_logprobs=spec.logprobs or 0,
+        min_p=spec.min_p,
+        allowed_token_ids=spec.allowed_token_ids,
+        bad_words=spec.bad_words,
     )
 
 

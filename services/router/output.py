@@ -4,8 +4,9 @@
 IncrementalDetokenizer holds back a split character) that cannot be the start of a stop
 string (a suffix that is a prefix of some stop string is held back until the next token
 decides it). When a stop string completes, the text up to it is released, the stop string
-and everything after it are dropped (OpenAI trims the stop sequence), and `stopped` is set so
-the caller cancels the Decode RPC.
+and everything after it are dropped (OpenAI trims the stop sequence; with vLLM's
+include_stop_str_in_output the stop string is kept), and `stopped` is set so the caller cancels
+the Decode RPC.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ class OutputText:
         prompt_ids: Sequence[int],
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        include_stop: bool = False,
     ):
+        self._include_stop = include_stop
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
         # most requests have no stop strings: no matcher then (it is made per choice, per request)
         self._matcher = StopMatcher(stop) if any(stop) else None
@@ -91,6 +94,8 @@ class OutputText:
             at = self._matcher.find(pending, 0)
             if at != -1:
                 self.matched_stop = next(s for s in self._matcher.stops if pending.startswith(s, at))
+                if self._include_stop:
+                    at += len(self.matched_stop)
                 self.stopped = True
                 return self._advance(at, drop_rest=True)
             if not final:

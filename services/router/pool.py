@@ -81,6 +81,8 @@ class Worker:
     ejections: int = 0  # times this process ejected it (shared, so the others probe it at once)
     peer_ejections: int = 0  # the other processes' ejections of it, as last read
     external_load: int = 0  # queued + running on the worker that are not ours (last Load report)
+    capacity_tokens: int = 0  # tokens its KV pool holds (last Load report; 0: not reported)
+    max_model_len: int = 0  # its --max-model-len (last Load report; 0: not reported)
     last_error: str = ""
     incompatible: str = ""  # why its protocol version does not fit this router's ("" when it does)
     last_change: float = field(default_factory=time.time)
@@ -313,6 +315,8 @@ class WorkerPool:
                 return problem
             return w.incompatible  # keep the last report; load is advisory, health decides admission
         w.external_load = max(0, reply.queued + reply.running - w.inflight - w.peer_inflight)
+        w.capacity_tokens = reply.kv_capacity_tokens
+        w.max_model_len = reply.max_model_len
         problem = incompatibility(f"{w.role} {w.addr}", reply.protocol_version, reply.min_protocol_version)
         self._set_incompatible(w, problem)
         return problem
@@ -375,6 +379,12 @@ class WorkerPool:
         task.add_done_callback(self._background.discard)
 
     # --- selection -----------------------------------------------------------------------------
+
+    def decode_capacity(self) -> int | None:
+        """The most tokens (prompt + completion) one request can take on the roomiest healthy
+        decode: its KV pool's size, or its --max-model-len when that is smaller (None: none has said)."""
+        return max((min(w.capacity_tokens, w.max_model_len or w.capacity_tokens)
+                    for w in self.decodes if w.healthy and w.capacity_tokens), default=None)
 
     def has_healthy_pair(self) -> bool:
         return (self.colocated or any(w.healthy for w in self.prefills)) and any(w.healthy for w in self.decodes)
@@ -450,6 +460,8 @@ class WorkerPool:
                 "healthy": w.healthy,
                 "inflight": w.inflight,
                 "external_load": w.external_load,
+                "kv_capacity_tokens": w.capacity_tokens or None,
+                "max_model_len": w.max_model_len or None,
                 "last_error": w.last_error or None,
             }
 

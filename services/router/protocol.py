@@ -1,23 +1,34 @@
 """OpenAI request validation: a JSON body in, a `GenerateSpec` (prompt ids + sampling) out.
 
 Pure functions over the tokenizer: no I/O, no workers, so every bad input is tested in
-milliseconds. Unknown fields are ignored, as OpenAI does; fields we know but cannot honour
-(best_of, tools with a model whose template shows no tool-call format, ...) are a 400 with a
-clear message rather than a silent surprise. Tools: services/router/tools.py.
+milliseconds. Every field of vLLM's protocol is implemented with vLLM's meaning or refused with
+a 400 naming it (services/router/request_fields.py); fields neither vLLM nor OpenAI defines are
+ignored, as OpenAI does. Prompts and chat rendering: prompts.py; tools: tools.py.
 """
 
 from __future__ import annotations
 
-import math
 import secrets
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from services.common.tokenizer import ChatTemplateError, Tokenizer
+from services.common.tokenizer import Tokenizer
 from services.router.errors import bad_request, invalid_type, model_not_found
+from services.router.getters import get_bool, get_float, get_int, get_str, is_int, is_number
 from services.router.limits import DEFAULT_LIMITS, RequestLimits, check_request_size
+from services.router.prompts import (
+    Prompt,
+    chat_prompt,
+    check_ids,
+    completion_prompts,
+    echo_text,
+    normalize_chat_messages,
+    truncate,
+)
+from services.router.request_fields import refuse_unsupported
 from services.router.structured import structured_output_field
-from services.router.tools import ToolRequest, check_tool_fields, parse_tools
+from services.router.tools import parse_tools
 
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM any. A bound keeps stop matching cheap.
 # Longest stop string, in characters: holding back a possible partial match costs O(length²)
@@ -29,7 +40,13 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 UINT32_MAX = (1 << 32) - 1
 UINT64_MASK = (1 << 64) - 1
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions API
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_CHOICES = 128  # prompts x n of one request: each is a full request on the workers
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_TOKENS = 32
+MAX_REQUEST_ID_CHARS = 128
+# generation_config.json keys vLLM applies as defaults, and the request field each one fills
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
 @dataclass(frozen=True)
@@ -41,6 +58,12 @@ class ModelInfo:
     context_length: int
     aliases: frozenset[str] = frozenset()  # other accepted spellings, e.g. the --model value
     tool_parser: str | None = None  # the chat template's tool-call format (services/router/tool_parsers.py)
+    # the model's generation_config.json sampling defaults, keyed by request field (GENERATION_DEFAULTS);
+    # a request's own value wins
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    # tokens the largest healthy decode's KV pool holds (None: not known yet): a default max_tokens
+    # never asks for more than that
+    capacity: Callable[[], int | None] | None = None
     limits: RequestLimits = DEFAULT_LIMITS  # what one request may send the workers (services/router/limits.py)
 
 
@@ -75,64 +98,26 @@ class GenerateSpec:
     grammar_param: str = ""  # the request field the grammar came from, for errors about it
     # The reply's tool-call format when it is parsed for calls (tools given, tool_choice not none).
     tool_parser: str | None = None
+    min_p: float = 0.0
+    allowed_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences (vLLM's tokenization of the words)
+    include_stop_str_in_output: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
+    request_id: str | None = None  # the client's (body request_id; an X-Request-Id header wins)
+    session_id: str | None = None  # vLLM's session identity: logged
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name tokens "token_id:N"
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's generated ids in the response
+    # a batched completions request: one spec per prompt (each with its own prompt_ids, echo_text
+    # and max_tokens); empty for a single prompt, whose spec is this one
+    batch: tuple[GenerateSpec, ...] = ()
 
     def choice_seed(self, index: int) -> int:
         return (self.seed + index) & UINT64_MASK
 
-
-# --- typed getters ----------------------------------------------------------------------------
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
-
-
-def get_int(body: dict, name: str, default: Any, lo: int | None = None, hi: int | None = None) -> Any:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_int(v):
-        raise invalid_type(name, "an integer", v)
-    if lo is not None and v < lo:
-        raise bad_request(f"'{name}' must be at least {lo}, got {v}.", param=name, code="invalid_value")
-    if hi is not None and v > hi:
-        raise bad_request(f"'{name}' must be at most {hi}, got {v}.", param=name, code="invalid_value")
-    return v
-
-
-def get_float(body: dict, name: str, default: Any, lo: float | None = None, hi: float | None = None) -> Any:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_number(v):
-        raise invalid_type(name, "a number", v)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise bad_request(
-            f"'{name}' must be between {lo:g} and {hi:g}, got {v}.", param=name, code="invalid_value"
-        )
-    return float(v)
-
-
-def get_bool(body: dict, name: str, default: bool) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise invalid_type(name, "a boolean", v)
-    return v
-
-
-def get_str(body: dict, name: str, default: Any) -> Any:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, str):
-        raise invalid_type(name, "a string", v)
-    return v
+    @property
+    def prompts(self) -> tuple[GenerateSpec, ...]:
+        """One spec per prompt: the batch, or this request alone."""
+        return self.batch or (self,)
 
 
 # --- shared fields ----------------------------------------------------------------------------
@@ -160,9 +145,17 @@ def _check_unsupported(body: dict) -> None:
 INT32_MAX = (1 << 31) - 1  # top_k is an int32 on the wire
 
 
+def _with_defaults(body: dict, info: ModelInfo) -> dict:
+    """The body with the model's generation_config.json sampling defaults filled in where it gives
+    none (max_tokens aside: a default is capped by the room left, not checked against it)."""
+    missing = {k: v for k, v in info.defaults.items() if k != "max_tokens" and body.get(k) is None}
+    return {**body, **missing} if missing else body
+
+
 def _sampling(body: dict, spec_kw: dict) -> None:
     temperature = get_float(body, "temperature", 1.0, 0.0, 2.0)
     top_p = get_float(body, "top_p", 1.0, 0.0, 1.0)
+    spec_kw["min_p"] = get_float(body, "min_p", 0.0, 0.0, 1.0)
     top_k = get_int(body, "top_k", 0, -1)
     if top_k == -1 or top_k > INT32_MAX:
         top_k = 0  # vLLM spells "disabled" as -1; beyond any vocabulary it keeps every token anyway
@@ -171,7 +164,7 @@ def _sampling(body: dict, spec_kw: dict) -> None:
     seed = body.get("seed")
     if seed is None:
         seed = secrets.randbits(63)
-    elif not _is_int(seed):
+    elif not is_int(seed):
         raise invalid_type("seed", "an integer", seed)
     elif not -(1 << 63) <= seed <= UINT64_MASK:
         raise bad_request("'seed' must fit in 64 bits.", param="seed", code="invalid_value")
@@ -197,7 +190,7 @@ def _logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
         if not 0 <= token < vocab_size:
             raise bad_request(f"logit_bias: token id {token} is outside the vocabulary (0..{vocab_size - 1}).",
                               param="logit_bias", code="invalid_value")
-        if not _is_number(value) or not -100 <= value <= 100:
+        if not is_number(value) or not -100 <= value <= 100:
             raise bad_request(f"logit_bias[{key!r}] must be a number between -100 and 100, got {value!r}.",
                               param="logit_bias", code="invalid_value")
         out[token] = float(value)
@@ -251,7 +244,7 @@ def _stop(body: dict, vocab_size: int) -> tuple[list[str], list[int]]:
     ids = body.get("stop_token_ids")
     if ids is None:
         ids = []
-    elif not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+    elif not isinstance(ids, list) or not all(is_int(t) for t in ids):
         raise invalid_type("stop_token_ids", "an array of integers", ids)
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
@@ -263,11 +256,12 @@ def _stop(body: dict, vocab_size: int) -> tuple[list[str], list[int]]:
     return strings, list(ids)
 
 
-def _stream(body: dict) -> tuple[bool, bool]:
+def _stream(body: dict) -> tuple[bool, bool, bool]:
+    """stream, include_usage, continuous_usage_stats (which, as vLLM's, needs include_usage)."""
     stream = get_bool(body, "stream", False)
     opts = body.get("stream_options")
     if opts is None:
-        return stream, False
+        return stream, False, False
     if not isinstance(opts, dict):
         raise invalid_type("stream_options", "an object", opts)
     if not stream:
@@ -276,7 +270,85 @@ def _stream(body: dict) -> tuple[bool, bool]:
             param="stream_options",
             code="invalid_value",
         )
-    return stream, get_bool(opts, "include_usage", False)
+    include_usage = get_bool(opts, "include_usage", False)
+    return stream, include_usage, include_usage and get_bool(opts, "continuous_usage_stats", False)
+
+
+def _token_masks(body: dict, tokenizer: Tokenizer, kw: dict) -> None:
+    """vLLM's allowed_token_ids and bad_words (tokenized here as vLLM tokenizes them)."""
+    allowed = body.get("allowed_token_ids")
+    if allowed is not None:
+        if not isinstance(allowed, list) or not all(is_int(t) for t in allowed):
+            raise invalid_type("allowed_token_ids", "an array of integers", allowed)
+        if not allowed:
+            raise bad_request("'allowed_token_ids' must not be empty.", param="allowed_token_ids", code="invalid_value")
+        bad = next((t for t in allowed if not 0 <= t < tokenizer.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"allowed_token_ids: token id {bad} is outside the vocabulary "
+                              f"(0..{tokenizer.vocab_size - 1}).", param="allowed_token_ids", code="invalid_value")
+        kw["allowed_token_ids"] = tuple(sorted(set(allowed)))
+    words = body.get("bad_words")
+    if words is None:
+        return
+    if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+        raise invalid_type("bad_words", "an array of strings", words)
+    if len(words) > MAX_BAD_WORDS:
+        raise bad_request(f"At most {MAX_BAD_WORDS} bad_words are allowed.", param="bad_words", code="invalid_value")
+    kw["bad_words"] = tuple(dict.fromkeys(seq for w in words for seq in bad_word_sequences(w, tokenizer)))
+
+
+def bad_word_sequences(word: str, tokenizer: Tokenizer) -> list[tuple[int, ...]]:
+    """The token sequences of one bad word, as vLLM bans it: the word as written (without leading
+    blanks), and with one leading space when that spelling starts with a different token and has
+    as many tokens (the word in the middle of a text)."""
+    bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+    if not bare:
+        return []
+    if len(bare) > MAX_BAD_WORD_TOKENS:
+        raise bad_request(f"Each bad word may be at most {MAX_BAD_WORD_TOKENS} tokens long.", param="bad_words",
+                          code="invalid_value")
+    out = [bare]
+    spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+    if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+        out.append(spaced)
+    return out
+
+
+def _ids_of_request(body: dict) -> tuple[str | None, str | None]:
+    """vLLM's request_id (the response id; an X-Request-Id header wins) and session_id."""
+    out = []
+    for name in ("request_id", "session_id"):
+        value = get_str(body, name, None)
+        if value is not None and not valid_request_id(value):
+            raise bad_request(f"'{name}' must be 1 to {MAX_REQUEST_ID_CHARS} visible ASCII characters.",
+                              param=name, code="invalid_value")
+        out.append(value)
+    return out[0], out[1]
+
+
+def valid_request_id(value: str) -> bool:
+    return 0 < len(value) <= MAX_REQUEST_ID_CHARS and all("!" <= c <= "~" for c in value)
+
+
+def _common(body: dict, info: ModelInfo, kind: str) -> dict[str, Any]:
+    """The fields both routes share, as GenerateSpec keywords."""
+    refuse_unsupported(body, kind)
+    _check_unsupported(body)
+    kw: dict[str, Any] = {}
+    _sampling(body, kw)
+    _controls(body, info.tokenizer.vocab_size, kw)
+    _token_masks(body, info.tokenizer, kw)
+    kw["stop"], kw["stop_token_ids"] = _stop(body, info.tokenizer.vocab_size)
+    kw["stream"], kw["include_usage"], kw["continuous_usage"] = _stream(body)
+    kw["ignore_eos"] = get_bool(body, "ignore_eos", False)
+    kw["skip_special_tokens"] = get_bool(body, "skip_special_tokens", True)
+    kw["include_stop_str_in_output"] = get_bool(body, "include_stop_str_in_output", False)
+    kw["request_id"], kw["session_id"] = _ids_of_request(body)
+    kw["tokens_as_ids"] = get_bool(body, "return_tokens_as_token_ids", False)
+    kw["return_token_ids"] = get_bool(body, "return_token_ids", False)
+    found = structured_output_field(body, kw["ignore_eos"], info.limits)
+    kw["grammar"], kw["grammar_param"] = (found[1], found[0]) if found is not None else (None, "")
+    return kw
 
 
 def _max_tokens(body: dict, names: tuple[str, ...], prompt_len: int, info: ModelInfo, default: int | None,
@@ -295,7 +367,11 @@ def _max_tokens(body: dict, names: tuple[str, ...], prompt_len: int, info: Model
             code="context_length_exceeded",
         )
     if requested is None:
-        return min(default, room) if default is not None else room
+        limit = min(default, room) if default is not None else room
+        capacity = info.capacity() if info.capacity is not None else None
+        if capacity:
+            limit = min(limit, max(1, capacity - prompt_len))
+        return limit
     if prompt_len + requested > info.context_length:
         raise bad_request(
             f"This model's maximum context length is {info.context_length} tokens. However, you requested "
@@ -307,215 +383,91 @@ def _max_tokens(body: dict, names: tuple[str, ...], prompt_len: int, info: Model
     return requested
 
 
-def _check_ids(ids: list[int], vocab_size: int, param: str) -> None:
-    if not ids:
-        raise bad_request("The prompt must not be empty.", param=param, code="invalid_value")
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise bad_request(
-            f"Token id {bad} in '{param}' is outside the vocabulary (0..{vocab_size - 1}).",
-            param=param,
-            code="invalid_value",
-        )
-
-
 # --- /v1/completions ----------------------------------------------------------------------------
 
 
-def completion_prompt(body: dict, tokenizer: Tokenizer) -> tuple[list[int], str]:
-    """The prompt's ids and text (the text is for echo)."""
-    if "prompt" not in body or body["prompt"] is None:
-        raise bad_request("You must provide a prompt.", param="prompt", code="missing_required_parameter")
-    prompt = body["prompt"]
-    if isinstance(prompt, list) and prompt and not all(_is_int(t) for t in prompt):
-        # a batch: one string or one token list is fine; more is not
-        if len(prompt) != 1:
-            if all(isinstance(p, (str, list)) for p in prompt):
-                raise bad_request(
-                    "Batched prompts are not supported; send one prompt per request.",
-                    param="prompt",
-                    code="unsupported_value",
-                )
-            raise invalid_type("prompt", "a string, an array of token ids, or an array of one of those", prompt)
-        prompt = prompt[0]
-        if isinstance(prompt, list) and not all(_is_int(t) for t in prompt):
-            raise invalid_type("prompt", "a string, an array of token ids, or an array of one of those", body["prompt"])
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt), prompt
-    if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
-        _check_ids(prompt, tokenizer.vocab_size, "prompt")
-        return list(prompt), tokenizer.decode(prompt, skip_special_tokens=False)
-    raise invalid_type("prompt", "a string, an array of token ids, or an array of one of those", prompt)
-
-
-def _grammar(body: dict, ignore_eos: bool, limits: RequestLimits, kw: dict) -> None:
-    found = structured_output_field(body, ignore_eos, limits)
-    kw["grammar"], kw["grammar_param"] = (found[1], found[0]) if found is not None else (None, "")
-
-
 def parse_completion(body: Any, info: ModelInfo) -> GenerateSpec:
+    """One spec; a batched prompt gives one per prompt in `batch` (choices indexed prompt i x n + j)."""
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
     model = _check_model(body, info)
-    _check_unsupported(body)
-    if get_str(body, "suffix", ""):
-        raise bad_request("'suffix' is not supported.", param="suffix", code="unsupported_value")
-    kw: dict[str, Any] = {}
-    _sampling(body, kw)
-    _controls(body, info.tokenizer.vocab_size, kw)
-    stop, stop_ids = _stop(body, info.tokenizer.vocab_size)
-    stream, include_usage = _stream(body)
+    body = _with_defaults(body, info)
+    kw = _common(body, info, "completion")
     logprobs = get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
     echo = get_bool(body, "echo", False)
-    ignore_eos = get_bool(body, "ignore_eos", False)
-    skip_special = get_bool(body, "skip_special_tokens", True)
-    _grammar(body, ignore_eos, info.limits, kw)
     if echo and logprobs is not None:
-        raise bad_request("'echo' together with 'logprobs' is not supported.", param="echo", code="unsupported_value")
-    ids, text = completion_prompt(body, info.tokenizer)
-    if not ids:
-        raise bad_request("The prompt must not be empty.", param="prompt", code="invalid_value")
-    max_tokens = _max_tokens(body, ("max_tokens",), len(ids), info, COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
-    _check_min_tokens(kw, max_tokens)
-    check_request_size(kw["n"], len(ids), kw["grammar"], "n" if kw["n"] > 1 else "prompt", info.limits)
-    return GenerateSpec(
-        kind="completion",
-        model=model,
-        prompt_ids=ids,
-        max_tokens=max_tokens,
-        stop=stop,
-        stop_token_ids=stop_ids,
-        ignore_eos=ignore_eos,
-        stream=stream,
-        include_usage=include_usage,
-        logprobs=logprobs,
-        echo=echo,
-        echo_text=text if echo else "",
-        skip_special_tokens=skip_special,
-        **kw,
-    )
+        raise bad_request("'echo' together with 'logprobs' (the prompt's logprobs) is not supported yet.",
+                          param="echo", code="unsupported_value")
+    prompts = completion_prompts(body, info.tokenizer)
+    if len(prompts) * kw["n"] > MAX_CHOICES:
+        raise bad_request(f"prompts x n must be at most {MAX_CHOICES}, got {len(prompts)} x {kw['n']}.",
+                          param="n", code="invalid_value")
+    specs = []
+    for i, prompt in enumerate(prompts):
+        ids = truncate(prompt.ids, body, info.context_length)
+        text = prompt.text if ids is prompt.ids else info.tokenizer.decode(ids, skip_special_tokens=False)
+        param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        max_tokens = _max_tokens(body, ("max_tokens",), len(ids), info, COMPLETIONS_DEFAULT_MAX_TOKENS, param)
+        _check_min_tokens(kw, max_tokens)
+        # every prompt's n choices are calls on the workers' lanes, like the batch's other prompts
+        check_request_size(kw["n"] * len(prompts), len(ids), kw["grammar"], "n" if kw["n"] > 1 else param,
+                           info.limits)
+        specs.append(GenerateSpec(kind="completion", model=model, prompt_ids=ids, max_tokens=max_tokens,
+                                  logprobs=logprobs, echo=echo, echo_text=text if echo else "", **kw))
+    if len(specs) == 1:
+        return specs[0]
+    return replace(specs[0], batch=tuple(specs))
+
+
+def completion_prompt(body: dict, tokenizer: Tokenizer) -> Prompt:
+    """The one prompt of a request that must not be a batch (e.g. /tokenize)."""
+    prompts = completion_prompts(body, tokenizer)
+    if len(prompts) != 1:
+        raise bad_request("Send one prompt, not a batch.", param="prompt", code="invalid_value")
+    return prompts[0]
 
 
 # --- /v1/chat/completions -------------------------------------------------------------------------
-
-
-def normalize_chat_messages(messages: Any) -> list[dict[str, Any]]:
-    if messages is None:
-        raise bad_request("You must provide messages.", param="messages", code="missing_required_parameter")
-    if not isinstance(messages, list):
-        raise invalid_type("messages", "an array", messages)
-    if not messages:
-        raise bad_request("'messages' must contain at least one message.", param="messages", code="empty_array")
-    out = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise invalid_type(where, "an object", message)
-        role = message.get("role")
-        if not isinstance(role, str):
-            raise invalid_type(f"{where}.role", "a string", role)
-        if role not in CHAT_ROLES:
-            raise bad_request(
-                f"Invalid value for '{where}.role': '{role}'. Supported values are: {', '.join(CHAT_ROLES)}.",
-                param=f"{where}.role",
-                code="invalid_value",
-            )
-        content = message.get("content")
-        if content is None:
-            if role != "assistant":
-                raise bad_request(
-                    f"'{where}.content' is required for role '{role}'.", param=f"{where}.content",
-                    code="missing_required_parameter",
-                )
-        elif isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                    raise invalid_type(f"{where}.content[{j}]", "a content part object", part)
-                if part["type"] != "text":
-                    raise bad_request(
-                        f"Content part type '{part['type']}' is not supported; only 'text' is.",
-                        param=f"{where}.content[{j}].type",
-                        code="unsupported_value",
-                    )
-                if not isinstance(part.get("text"), str):
-                    raise invalid_type(f"{where}.content[{j}].text", "a string", part.get("text"))
-                texts.append(part["text"])
-            content = "\n".join(texts)
-        elif not isinstance(content, str):
-            raise invalid_type(f"{where}.content", "a string or an array of content parts", content)
-        plain = {k: v for k, v in message.items() if k not in ("role", "content")}
-        plain["role"] = "system" if role == "developer" else role
-        if content is not None:
-            plain["content"] = content
-        out.append(check_tool_fields(plain, where))
-    return out
-
-
-def chat_prompt(body: dict, tokenizer: Tokenizer, tools: ToolRequest | None = None) -> list[int]:
-    messages = normalize_chat_messages(body.get("messages"))
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is None:
-        kwargs = {}
-    elif not isinstance(kwargs, dict):
-        raise invalid_type("chat_template_kwargs", "an object", kwargs)
-    add_generation_prompt = get_bool(body, "add_generation_prompt", True)
-    reserved = {"messages", "tools", "add_generation_prompt", "documents", "chat_template"}
-    kwargs = {k: v for k, v in kwargs.items() if k not in reserved}
-    try:
-        return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt,
-                                     tools=tools.tools if tools else None, **kwargs)
-    except ChatTemplateError as e:
-        raise bad_request(f"The chat template rejected the conversation: {e}", param="messages",
-                          code="invalid_value") from e
 
 
 def parse_chat(body: Any, info: ModelInfo) -> GenerateSpec:
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
     model = _check_model(body, info)
-    _check_unsupported(body)
+    body = _with_defaults(body, info)
     tools = parse_tools(body, info.tool_parser, info.tokenizer, info.limits)
-    kw: dict[str, Any] = {}
-    _sampling(body, kw)
-    _controls(body, info.tokenizer.vocab_size, kw)
-    stop, stop_ids = _stop(body, info.tokenizer.vocab_size)
-    stream, include_usage = _stream(body)
+    kw = _common(body, info, "chat")
     want_logprobs = get_bool(body, "logprobs", False)
     top_logprobs = get_int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
     if top_logprobs is not None and not want_logprobs:
         raise bad_request(
             "'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs", code="invalid_value"
         )
-    ignore_eos = get_bool(body, "ignore_eos", False)
-    skip_special = get_bool(body, "skip_special_tokens", True)
-    _grammar(body, ignore_eos, info.limits, kw)
     if tools is not None and tools.grammar is not None:
         if kw["grammar"] is not None:
             raise bad_request("Structured output (response_format, structured_outputs, guided_*) cannot be combined "
                               "with a forced tool call (tool_choice 'required' or a named function): both constrain "
                               "the whole reply.", param="tool_choice", code="invalid_value")
-        if ignore_eos:
+        if kw["ignore_eos"]:
             raise bad_request("'ignore_eos' cannot be combined with a forced tool call: the grammar ends the output.",
                               param="ignore_eos", code="unsupported_value")
         kw["grammar"], kw["grammar_param"] = tools.grammar, "tools"
-    ids = chat_prompt(body, info.tokenizer, tools)
-    _check_ids(ids, info.tokenizer.vocab_size, "messages")
-    max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), len(ids), info, None, "messages")
+    messages = normalize_chat_messages(body.get("messages"))
+    ids = truncate(chat_prompt(body, info.tokenizer, tools, messages), body, info.context_length)
+    check_ids(ids, info.tokenizer.vocab_size, "messages")
+    max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), len(ids), info,
+                             info.defaults.get("max_tokens"), "messages")
     _check_min_tokens(kw, max_tokens)
     check_request_size(kw["n"], len(ids), kw["grammar"], "n" if kw["n"] > 1 else "messages", info.limits)
+    echoed = echo_text(body, messages)
     return GenerateSpec(
         kind="chat",
         model=model,
         prompt_ids=ids,
         max_tokens=max_tokens,
-        stop=stop,
-        stop_token_ids=stop_ids,
-        ignore_eos=ignore_eos,
-        stream=stream,
-        include_usage=include_usage,
         logprobs=(top_logprobs or 0) if want_logprobs else None,
-        skip_special_tokens=skip_special,
+        echo=bool(echoed),
+        echo_text=echoed,
         tool_parser=tools.parser if tools else None,
         **kw,
     )

@@ -3,8 +3,10 @@
 `ResponseState` is fed the decode chunks of one choice and keeps the text (via OutputText:
 detokenization + stop strings), the usage counts and the logprobs. It builds exactly the
 shapes OpenAI returns for /v1/completions and /v1/chat/completions, streaming or not; with
-n > 1 there is one state per choice (`index`), and `body()`/`usage()` take all of them: the
-prompt is counted once and completion tokens are summed, as OpenAI reports usage.
+n > 1 or a batch of prompts there is one state per choice (`index` = prompt i x n + j), and
+`body()`/`usage()` take all of them: each prompt is counted once and completion tokens are
+summed, as OpenAI reports usage. With vLLM's `continuous_usage_stats` every chunk carries the
+usage of its choice so far.
 
 With tools (spec.tool_parser set), a chat reply is parsed for tool calls: as a whole for a JSON
 body, incrementally for a stream (content deltas and tool-call deltas, services/router/tool_parsers.py).
@@ -50,14 +52,16 @@ def _lp(value: float) -> float:
 
 class ResponseState:
     def __init__(self, spec: GenerateSpec, tokenizer: Tokenizer, token_strings: TokenStrings, request_id: str,
-                 index: int = 0):
+                 index: int = 0, counts_prompt: bool = True):
         self.spec = spec
         self.index = index
+        self.counts_prompt = counts_prompt  # the first choice of its prompt: usage counts the prompt here
         self.token_strings = token_strings
         prefix = "cmpl-" if spec.kind == "completion" else "chatcmpl-"
         self.id = prefix + request_id
         self.created = int(time.time())
-        self.out = OutputText(tokenizer, spec.prompt_ids, spec.stop, spec.skip_special_tokens)
+        self.out = OutputText(tokenizer, spec.prompt_ids, spec.stop, spec.skip_special_tokens,
+                              spec.include_stop_str_in_output)
         self.completion_tokens = 0
         # the prompt's tokens the workers found cached, from the first chunk: a migrated request's
         # later attempts send prompt + generated ids, which is not what the client's prompt was
@@ -70,6 +74,11 @@ class ResponseState:
         self.tool_stream = self.tool_format.stream() if self.tool_format and spec.stream else None
         self._tool_deltas: list[dict[str, Any]] = []  # for the next delta_chunk
         self._text_template: list[bytes] | None = None  # delta_event's event bytes around the text
+        # vLLM's return_token_ids: every generated id (the one that stopped decode too, as counted
+        # in usage), and those not yet sent in a stream
+        self.token_ids: list[int] = []
+        self._pending_ids: list[int] = []
+        self._prompt_ids_sent = False
 
     @property
     def prompt_tokens(self) -> int:
@@ -88,6 +97,9 @@ class ResponseState:
             self.cached_tokens = min(chunk.cached_tokens, self.prompt_tokens)
         for i, token in enumerate(chunk.token_ids):
             self.completion_tokens += 1
+            if self.spec.return_token_ids:
+                self.token_ids.append(token)
+                self._pending_ids.append(token)
             offset = len(self.spec.echo_text) + self.out.released_chars
             # The token that made decode stop (eos or a stop_token_id) is counted but not shown.
             if not (chunk.finish_reason == "stop" and i == n - 1):
@@ -136,23 +148,44 @@ class ResponseState:
         return (self.spec.echo_text if self.spec.echo else "") + self.out.text
 
     def usage(self, states: list[ResponseState] | None = None) -> dict[str, int]:
-        """Usage of the whole request: the prompt once, completion tokens of every choice; of the
-        prompt, the tokens a prefix cache served (the most any choice's worker found)."""
-        completion = sum(s.completion_tokens for s in states or [self])
-        cached = max((s.cached_tokens or 0) for s in states or [self])
+        """Usage of the whole request: each prompt once, completion tokens of every choice; of the
+        prompts, the tokens a prefix cache served (per prompt, the most any of its choices' workers found)."""
+        states = states or [self]
+        completion = sum(s.completion_tokens for s in states)
+        prompt = sum(s.prompt_tokens for s in states if s.counts_prompt) or self.prompt_tokens
+        cached: dict[int, int] = {}
+        for s in states:
+            cached[id(s.spec)] = max(cached.get(id(s.spec), 0), s.cached_tokens or 0)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
+        }
+
+    def own_usage(self) -> dict[str, int]:
+        """This choice's usage so far (continuous_usage_stats, as vLLM reports it per choice)."""
         return {
             "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": self.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens or 0},
         }
 
     # --- logprobs -----------------------------------------------------------------------------
 
+    def _token(self, token_id: int) -> tuple[str, list[int]]:
+        """A token's text and bytes in logprobs; vLLM's return_tokens_as_token_ids spells it
+        "token_id:N", which names tokens that are not valid text on their own."""
+        if self.spec.tokens_as_ids:
+            text = f"token_id:{token_id}"
+            return text, list(text.encode("ascii"))
+        return self.token_strings.get(token_id)
+
     def _completion_logprobs(self, entries) -> dict[str, Any] | None:
         if self.spec.logprobs is None:
             return None
-        tokens = [self.token_strings.get(t)[0] for t, _, _, _ in entries]
+        tokens = [self._token(t)[0] for t, _, _, _ in entries]
         lps = [_lp(lp) for _, lp, _, _ in entries]
         tops = None
         if self.spec.logprobs > 0:
@@ -160,7 +193,7 @@ class ResponseState:
             # always in it (vLLM's rule), even when it is not among the k most likely
             tops = []
             for (_, lp, _, top), text in zip(entries, tokens, strict=True):
-                alternatives = {self.token_strings.get(t)[0]: _lp(v) for t, v in top or []}
+                alternatives = {self._token(t)[0]: _lp(v) for t, v in top or []}
                 alternatives.setdefault(text, _lp(lp))
                 tops.append(alternatives)
         return {
@@ -177,10 +210,10 @@ class ResponseState:
 
     def _chat_entry(self, entry: Entry) -> dict[str, Any]:
         token, lp, _, top = entry
-        text, raw = self.token_strings.get(token)
+        text, raw = self._token(token)
         alternatives = []
         for t, v in (top or [])[: self.spec.logprobs]:
-            t_text, t_raw = self.token_strings.get(t)
+            t_text, t_raw = self._token(t)
             alternatives.append({"token": t_text, "logprob": _lp(v), "bytes": t_raw})
         return {"token": text, "logprob": _lp(lp), "bytes": raw, "top_logprobs": alternatives}
 
@@ -225,19 +258,25 @@ class ResponseState:
     def choice(self, logprobs: bool = True) -> dict[str, Any]:
         """This choice of the body; `logprobs` False leaves them None (body_json fills them in)."""
         if self.spec.kind == "completion":
-            return {
+            out = {
                 "index": self.index,
                 "text": self.text,
                 "logprobs": self._completion_logprobs(self.entries) if logprobs else None,
                 "finish_reason": self.finish_reason,
             }
+            if self.spec.return_token_ids:
+                out.update(prompt_token_ids=self.spec.prompt_ids, token_ids=self.token_ids)
+            return out
         message, finish_reason = self._message()
-        return {
+        out = {
             "index": self.index,
             "message": message,
             "logprobs": self._chat_logprobs(self.entries) if logprobs else None,
             "finish_reason": finish_reason,
         }
+        if self.spec.return_token_ids:
+            out["token_ids"] = self.token_ids
+        return out
 
     async def body_json(self, states: list[ResponseState] | None = None) -> bytes:
         """body() encoded as JSON bytes. A big one (n × thousands of tokens with top_logprobs is
@@ -267,6 +306,8 @@ class ResponseState:
             "system_fingerprint": None,
             "choices": [s.choice(logprobs) for s in states],
             "usage": self.usage(states),
+            **({"prompt_token_ids": self.spec.prompt_ids}
+               if self.spec.return_token_ids and self.spec.kind == "chat" else {}),
         }
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -278,23 +319,31 @@ class ResponseState:
             "system_fingerprint": None,
             "choices": choices,
         }
-        if self.spec.include_usage:
+        if self.spec.continuous_usage:
+            obj["usage"] = self.own_usage()
+        elif self.spec.include_usage:
             obj["usage"] = None
         return obj
 
     def role_chunk(self) -> dict[str, Any]:
-        """Chat streams open with the assistant role and empty content, as OpenAI's do."""
-        return self._chunk(
+        """Chat streams open with the assistant role and empty content, as OpenAI's do (with
+        return_token_ids, the prompt's ids ride on it, as vLLM's first chunk)."""
+        obj = self._chunk(
             [{"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
               "finish_reason": None}]
         )
+        if self.spec.return_token_ids:
+            obj["prompt_token_ids"] = self.spec.prompt_ids
+            self._prompt_ids_sent = True
+        return obj
 
     def delta_chunk(self, text: str, entries, finish_reason: str | None) -> dict[str, Any] | None:
         """The SSE payload for new text/logprobs/tool-call deltas (None when there is nothing to say)."""
         calls = _merge_tool_deltas(self._tool_deltas)
         self._tool_deltas = []
         if not text and not entries and finish_reason is None and not calls:
-            return None
+            return None  # ids of held-back text go out with the next chunk
+        ids, self._pending_ids = self._pending_ids, []
         if self.spec.kind == "completion":
             choice = {
                 "index": self.index,
@@ -302,6 +351,11 @@ class ResponseState:
                 "logprobs": self._completion_logprobs(entries) if entries else None,
                 "finish_reason": finish_reason,
             }
+            if self.spec.return_token_ids:
+                if not self._prompt_ids_sent:
+                    choice["prompt_token_ids"] = self.spec.prompt_ids
+                    self._prompt_ids_sent = True
+                choice["token_ids"] = ids
         else:
             delta: dict[str, Any] = {"content": text} if text or (finish_reason is None and not calls) else {}
             if calls:
@@ -314,12 +368,15 @@ class ResponseState:
                 "logprobs": self._chat_logprobs(entries) if entries else None,
                 "finish_reason": finish_reason,
             }
+            if self.spec.return_token_ids:
+                choice["token_ids"] = ids
         return self._chunk([choice])
 
     def delta_event(self, text: str, entries, finish_reason: str | None) -> bytes | None:
         """delta_chunk() as an SSE event, byte for byte; plain text (no logprobs, not the last
         event) fills a template made once per choice instead of building and encoding the object."""
-        if entries or finish_reason is not None or self._tool_deltas:
+        if (entries or finish_reason is not None or self._tool_deltas or self.spec.continuous_usage
+                or self.spec.return_token_ids):
             payload = self.delta_chunk(text, entries, finish_reason)
             return None if payload is None else sse_event(payload)
         if not text:

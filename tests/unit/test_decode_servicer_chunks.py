@@ -24,7 +24,7 @@ class QueuedWorker:
     def __init__(self, items: list):
         self.items = items
         self.aborted: list[int] = []
-        config = SimpleNamespace(vocab_size=512, max_position_embeddings=4096)
+        config = SimpleNamespace(vocab_size=512, max_position_embeddings=4096, max_model_len=4096)
         self.engine = SimpleNamespace(config=config, pool=SimpleNamespace(can_ever_hold=lambda n: True),
                                       check_grammar=lambda params: None)
 

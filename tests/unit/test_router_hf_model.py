@@ -26,7 +26,6 @@ def folder(tmp_path_factory) -> Path:
 
 def test_name_and_context_length(folder, tmp_path):
     assert served_name(str(folder)) == "tiny-llama3"
-    assert served_name(str(folder), "custom") == "custom"
     assert served_name("builtin") == "pdmesh-tiny"
     assert context_length(str(folder)) == 128
     assert context_length("builtin") == 8192

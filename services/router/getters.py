@@ -1,0 +1,60 @@
+"""Typed getters for request fields: a wrong type or range is an OpenAI-style 400 naming the field."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from services.router.errors import bad_request, invalid_type
+
+
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def get_int(body: dict, name: str, default: Any, lo: int | None = None, hi: int | None = None) -> Any:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not is_int(v):
+        raise invalid_type(name, "an integer", v)
+    if lo is not None and v < lo:
+        raise bad_request(f"'{name}' must be at least {lo}, got {v}.", param=name, code="invalid_value")
+    if hi is not None and v > hi:
+        raise bad_request(f"'{name}' must be at most {hi}, got {v}.", param=name, code="invalid_value")
+    return v
+
+
+def get_float(body: dict, name: str, default: Any, lo: float | None = None, hi: float | None = None) -> Any:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not is_number(v):
+        raise invalid_type(name, "a number", v)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise bad_request(
+            f"'{name}' must be between {lo:g} and {hi:g}, got {v}.", param=name, code="invalid_value"
+        )
+    return float(v)
+
+
+def get_bool(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise invalid_type(name, "a boolean", v)
+    return v
+
+
+def get_str(body: dict, name: str, default: Any) -> Any:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, str):
+        raise invalid_type(name, "a string", v)
+    return v

@@ -1,0 +1,155 @@
+"""vLLM's output fields on the real app with scripted workers (they answer b"Hello, world! ..."):
+include_stop_str_in_output, continuous_usage_stats, echo on chat, batched prompts, and the
+sampling fields the workers receive."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+from services.common.tokenizer import load_tokenizer
+from tests.unit.test_router_app import MODEL, cluster, cluster_factory  # noqa: F401 - fixtures
+
+TOK = load_tokenizer("builtin-random")
+
+
+def _events(url: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url, json=body, timeout=30) as r:
+        assert r.status_code == 200
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(x) for x in lines[:-1]]
+
+
+def test_include_stop_str_in_output(cluster):  # noqa: F811
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 10, "stop": [","]}
+    plain = httpx.post(cluster.url + "/v1/completions", json=body).json()["choices"][0]
+    kept = httpx.post(cluster.url + "/v1/completions", json={**body, "include_stop_str_in_output": True}).json()
+    assert plain["text"] == "Hello" and kept["choices"][0]["text"] == "Hello,"
+    assert kept["choices"][0]["finish_reason"] == "stop"
+    events = _events(cluster.url + "/v1/completions", {**body, "stream": True, "include_stop_str_in_output": True})
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == "Hello,"
+    cluster.all_rpcs_ended()
+
+
+def test_continuous_usage_stats(cluster):  # noqa: F811
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    events = _events(cluster.url + "/v1/chat/completions", body)
+    usages = [e["usage"] for e in events]
+    assert all(u is not None for u in usages)
+    prompt = usages[0]["prompt_tokens"]
+    counts = [u["completion_tokens"] for u in usages[:-1]]
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 4
+    assert usages[-1] == {"prompt_tokens": prompt, "completion_tokens": 4, "total_tokens": prompt + 4}
+    assert events[-1]["choices"] == []
+    # without include_usage there is nothing to make continuous (vLLM's rule)
+    body["stream_options"] = {"continuous_usage_stats": True}
+    assert all("usage" not in e for e in _events(cluster.url + "/v1/chat/completions", body))
+    cluster.all_rpcs_ended()
+
+
+def test_echo_on_chat_extends_the_last_assistant_message(cluster):  # noqa: F811
+    messages = [{"role": "user", "content": "greet"}, {"role": "assistant", "content": "Sure: "}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 5, "add_generation_prompt": False,
+            "continue_final_message": True}
+    r = httpx.post(cluster.url + "/v1/chat/completions", json={**body, "echo": True}).json()
+    assert r["choices"][0]["message"]["content"] == "Sure: Hello"
+    r = httpx.post(cluster.url + "/v1/chat/completions", json=body).json()
+    assert r["choices"][0]["message"]["content"] == "Hello"
+    events = _events(cluster.url + "/v1/chat/completions", {**body, "echo": True, "stream": True})
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == "Sure: Hello"
+    # the last message is the user's: nothing to echo
+    r = httpx.post(cluster.url + "/v1/chat/completions",
+                   json={"model": MODEL, "messages": messages[:1], "max_tokens": 5, "echo": True}).json()
+    assert r["choices"][0]["message"]["content"] == "Hello"
+    cluster.all_rpcs_ended()
+
+
+def test_batched_prompts_index_prompt_times_n(cluster):  # noqa: F811
+    body = {"model": MODEL, "prompt": ["ab", "cde", "fghi"], "n": 2, "max_tokens": 3, "seed": 7}
+    r = httpx.post(cluster.url + "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [c["index"] for c in out["choices"]] == list(range(6))
+    assert all(c["text"] == "Hel" for c in out["choices"])
+    prompt_tokens = sum(len(TOK.encode(p)) for p in body["prompt"])
+    assert out["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 18,
+                            "total_tokens": prompt_tokens + 18}
+    requests = cluster.decodes[0].seen.requests[-6:]
+    by_prompt = {}
+    for req in requests:
+        by_prompt.setdefault(tuple(req.token_ids), []).append(req.params.seed)
+    assert sorted(map(sorted, by_prompt.values())) == [[7, 8]] * 3  # choice j of each prompt: seed + j
+    events = _events(cluster.url + "/v1/completions", {**body, "stream": True})
+    texts = {}
+    for e in events:
+        for c in e["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert texts == {i: "Hel" for i in range(6)}
+    cluster.all_rpcs_ended()
+
+
+def test_batched_token_id_prompts(cluster):  # noqa: F811
+    body = {"model": MODEL, "prompt": [[5, 6], [7, 8, 9]], "max_tokens": 2, "echo": True}
+    out = httpx.post(cluster.url + "/v1/completions", json=body).json()
+    assert [c["text"] for c in out["choices"]] == [TOK.decode([5, 6]) + "He", TOK.decode([7, 8, 9]) + "He"]
+    assert out["usage"]["prompt_tokens"] == 5
+    cluster.all_rpcs_ended()
+
+
+def test_batched_prompt_errors_name_the_prompt(cluster):  # noqa: F811
+    r = httpx.post(cluster.url + "/v1/completions", json={"model": MODEL, "prompt": [[1], []]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt[1]"
+    r = httpx.post(cluster.url + "/v1/completions", json={"model": MODEL, "prompt": ["a"] * 65})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = httpx.post(cluster.url + "/v1/completions", json={"model": MODEL, "prompt": ["a"] * 20, "n": 16})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
+def test_sampling_fields_reach_both_workers(cluster):  # noqa: F811
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "min_p": 0.25, "allowed_token_ids": [72, 101, 108],
+            "bad_words": ["lo"]}
+    assert httpx.post(cluster.url + "/v1/completions", json=body).status_code == 200
+    for worker in (cluster.prefills[0], cluster.decodes[0]):
+        p = worker.seen.requests[-1].params
+        assert p.min_p == 0.25 and list(p.allowed_token_ids) == [72, 101, 108]
+        assert [list(s.token_ids) for s in p.bad_words][0] == TOK.encode("lo", add_special_tokens=False)
+    cluster.all_rpcs_ended()
+
+
+def test_return_tokens_as_token_ids(cluster):  # noqa: F811
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 3, "logprobs": 1, "return_tokens_as_token_ids": True}
+    lp = httpx.post(cluster.url + "/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in b"Hel"]
+    assert all(set(top) == {tok} for top, tok in zip(lp["top_logprobs"], lp["tokens"], strict=True))
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "logprobs": True,
+            "return_tokens_as_token_ids": True}
+    content = httpx.post(cluster.url + "/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in b"He"]
+    assert content[0]["bytes"] == list(f"token_id:{ord('H')}".encode())
+    cluster.all_rpcs_ended()
+
+
+def test_return_token_ids(cluster):  # noqa: F811
+    prompt_ids = TOK.encode("xy")
+    body = {"model": MODEL, "prompt": "xy", "max_tokens": 4, "return_token_ids": True}
+    choice = httpx.post(cluster.url + "/v1/completions", json=body).json()["choices"][0]
+    assert choice["prompt_token_ids"] == prompt_ids and choice["token_ids"] == list(b"Hell")
+    events = _events(cluster.url + "/v1/completions", {**body, "stream": True})
+    choices = [e["choices"][0] for e in events]
+    assert choices[0]["prompt_token_ids"] == prompt_ids
+    assert not any("prompt_token_ids" in c for c in choices[1:])
+    assert [t for c in choices for t in c["token_ids"]] == list(b"Hell")
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "return_token_ids": True,
+            "stop": ["l"]}
+    out = httpx.post(cluster.url + "/v1/chat/completions", json=chat).json()
+    assert out["prompt_token_ids"] == TOK.encode_chat(chat["messages"])
+    assert out["choices"][0]["token_ids"] == list(b"Hel") and out["choices"][0]["message"]["content"] == "He"
+    events = _events(cluster.url + "/v1/chat/completions", {**chat, "stream": True})
+    assert events[0]["prompt_token_ids"] == out["prompt_token_ids"]
+    assert [t for e in events[1:] for t in e["choices"][0]["token_ids"]] == list(b"Hel")
+    plain = httpx.post(cluster.url + "/v1/completions", json={**body, "return_token_ids": False}).json()
+    assert "token_ids" not in plain["choices"][0]
+    cluster.all_rpcs_ended()

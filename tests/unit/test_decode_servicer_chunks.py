@@ -28,7 +28,7 @@ class QueuedWorker:
         self.engine = SimpleNamespace(config=config, pool=SimpleNamespace(can_ever_hold=lambda n: True),
                                       check_grammar=lambda params: None)
 
-    def submit(self, room, token_ids, params, prefill_addr):
+    def submit(self, room, token_ids, params, prefill_addr, canary=False):
         out: asyncio.Queue = asyncio.Queue()
         for item in self.items:
             out.put_nowait(item)

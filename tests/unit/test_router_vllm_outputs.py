@@ -42,7 +42,8 @@ def test_continuous_usage_stats(cluster):  # noqa: F811
     prompt = usages[0]["prompt_tokens"]
     counts = [u["completion_tokens"] for u in usages[:-1]]
     assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 4
-    assert usages[-1] == {"prompt_tokens": prompt, "completion_tokens": 4, "total_tokens": prompt + 4}
+    assert usages[-1] == {"prompt_tokens": prompt, "completion_tokens": 4, "total_tokens": prompt + 4,
+                          "prompt_tokens_details": {"cached_tokens": 0}}
     assert events[-1]["choices"] == []
     # without include_usage there is nothing to make continuous (vLLM's rule)
     body["stream_options"] = {"continuous_usage_stats": True}
@@ -76,7 +77,7 @@ def test_batched_prompts_index_prompt_times_n(cluster):  # noqa: F811
     assert all(c["text"] == "Hel" for c in out["choices"])
     prompt_tokens = sum(len(TOK.encode(p)) for p in body["prompt"])
     assert out["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 18,
-                            "total_tokens": prompt_tokens + 18}
+                            "total_tokens": prompt_tokens + 18, "prompt_tokens_details": {"cached_tokens": 0}}
     requests = cluster.decodes[0].seen.requests[-6:]
     by_prompt = {}
     for req in requests:

@@ -2,8 +2,8 @@
 
 Each knob is a CLI flag with a `PDMESH_*` environment twin (the flag wins) and a documented
 default; `--help` of each service lists all three. Each service's settings are a frozen,
-typed dataclass generated from its flag table (`PrefillSettings`, `DecodeSettings`; the
-router's is `services.router.app.RouterSettings`), built once at start-up by `parse_settings`.
+typed dataclass generated from its flag table (`PrefillSettings`, `DecodeSettings`,
+`RouterSettings`), built once at start-up.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import argparse
 import os
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, make_dataclass
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any
 
 
@@ -340,18 +340,26 @@ def parse_args(prog: str, description: str, flags: Sequence[Flag], argv: Sequenc
     return args
 
 
-def _settings_class(name: str, flags: Sequence[Flag]) -> type:
-    """A frozen dataclass with one typed field per flag (its `dest`), so a typo in a setting's
-    name fails at once and nothing can change a setting after start-up."""
-    fields = [(f.dest, list[f.type] if f.repeatable else f.type) for f in flags]
+def _settings_class(name: str, flags: Sequence[Flag], extra: Sequence[tuple[str, type, Any]] = ()) -> type:
+    """A frozen dataclass with one typed field per flag (its `dest`, defaulting to the flag's
+    default), so a typo in a setting's name fails at once and nothing can change a setting after
+    start-up. `extra`: (name, type, default) of settings that are not flags."""
+    fields = [(f.dest, list[f.type] if f.repeatable else f.type,
+               field(default_factory=lambda f=f: list(f.default)) if f.repeatable else field(default=f.default))
+              for f in flags]
+    fields += [(n, t, field(default=d)) for n, t, d in extra]
     cls = make_dataclass(name, fields, frozen=True)
     cls.FLAGS = tuple(flags)
-    cls.__doc__ = f"Settings of one service, generated from its flag table ({len(fields)} flags)."
+    cls.from_args = classmethod(lambda c, args: c(**{k: v for k, v in vars(args).items() if k in c.__dataclass_fields__}))
+    cls.__doc__ = f"Settings of one service, generated from its flag table ({len(flags)} flags)."
     return cls
 
 
 PrefillSettings = _settings_class("PrefillSettings", PREFILL_FLAGS)
 DecodeSettings = _settings_class("DecodeSettings", DECODE_FLAGS)
+# With --processes N the supervisor tells each router process its place and their shared folder
+# (services/router/processes.py): settings of the process, not flags.
+RouterSettings = _settings_class("RouterSettings", ROUTER_FLAGS, extra=(("process_index", int, 0), ("shared_dir", str, "")))
 
 
 def parse_settings(cls: type, prog: str, description: str, argv: Sequence[str] | None = None):

@@ -29,7 +29,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from services.common.config import RouterSettings
 from services.common.logging_setup import bound_contextvars, bound_room, get_logger
 from services.common.metrics import CONTENT_TYPE, Metrics
 from services.common.model_name import served_name
@@ -81,53 +82,6 @@ def error_json(error: APIError, request_id: int | str | None = None) -> JSONResp
     if request_id is not None:
         headers["X-Request-Id"] = request_id if isinstance(request_id, str) else f"{request_id:016x}"
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
-
-
-@dataclass
-class RouterSettings:
-    prefill: list[str] = field(default_factory=list)
-    decode: list[str] = field(default_factory=list)
-    host: str = "127.0.0.1"
-    port: int = 8000
-    model: str = "builtin"
-    served_model_name: list[str] = field(default_factory=list)  # or one name
-    max_model_len: int = 0  # 0: the model's max_position_embeddings
-    chat_template: str = ""  # a file or the template; empty: the model's
-    generation_config: str = "auto"  # services/router/model_controls.py
-    policy: str = "round_robin"
-    mode: str = "pd"  # "colocated": decode workers only (services/router/attempt.py)
-    api_key: str = ""
-    tool_call_parser: str = "auto"  # services/router/tool_parsers.py: auto | none | hermes | llama3_json
-    request_timeout: float = 600.0
-    shutdown_timeout: float = 60.0  # services/router/main.py: uvicorn's graceful shutdown
-    max_concurrent_requests: int = 256  # choices, not HTTP requests
-    max_body_bytes: int = 8 * 1024 * 1024
-    body_timeout: float = 30.0
-    max_body_reads: int = 512
-    max_buffered_tokens: int = 1024  # per choice
-    max_grammar_bytes: int = 1024 * 1024  # services/router/limits.py
-    max_request_worker_bytes: int = 16 * 1024 * 1024
-    grammar_compile_budget: float = 2.0  # services/router/grammar_cost.py
-    grammar_mask_budget: float = 0.1
-    health_check_interval: float = 1.0
-    health_check_timeout: float = 1.0
-    health_failure_threshold: int = 2
-    max_migrations: int = 2
-    stream_stall_timeout: float = 30.0
-    dns_refresh_interval: float = 5.0
-    canary_interval: float = 0.0  # services/router/canary.py
-    canary_timeout: float = 10.0
-    pair_hold: float = 30.0  # services/router/pair_health.py
-    worker_lane: bool = True  # services/router/lane.py
-    processes: int = 1  # services/router/processes.py
-    process_index: int = 0  # this process's place among them (set by the supervisor, not a flag)
-    shared_dir: str = ""  # their shared folder: state file and metrics sockets (likewise)
-    log_level: str = "info"
-
-    @classmethod
-    def from_args(cls, args: Any) -> RouterSettings:
-        names = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in vars(args).items() if k in names})
 
 
 def context_length(model: str) -> int:

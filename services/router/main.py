@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import sys
+from dataclasses import replace
 
 import uvicorn
 
@@ -77,7 +78,7 @@ def main(argv=None) -> None:
     settings = RouterSettings.from_args(args)
     sockets = None
     if child is not None:
-        settings.process_index, settings.shared_dir = child[0], child[1]
+        settings = replace(settings, process_index=child[0], shared_dir=child[1])
         sockets = [listening_socket(args.host, args.port, reuse_port=True)]
     app = create_app(settings)
     router = app.state.router

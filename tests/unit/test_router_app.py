@@ -323,7 +323,7 @@ def test_api_key(cluster_factory):
 
 def test_concurrency_limit_is_429(cluster_factory):
     c = cluster_factory(max_concurrent_requests=1)
-    c.decodes[0].behaviour = Behaviour(delay=0.5)
+    c.decodes[0].behaviour = Behaviour(delay=3)  # holds the one slot while the second request arrives, even on a loaded machine
     with httpx.Client(timeout=10) as client:
         slow = threading.Thread(target=lambda: client.post(c.url + "/v1/completions", json=completion()))
         slow.start()

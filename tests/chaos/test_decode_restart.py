@@ -37,7 +37,10 @@ async def _prefill_only(addr: str, room: int):
 def test_decode_killed_then_restarted(mesh):
     p = mesh.start_prefill(
         "--bootstrap-timeout", str(BOOTSTRAP_TIMEOUT), "--inflight-timeout", str(INFLIGHT_TIMEOUT),
-        "--watchdog-interval", "0.5", wait=False,
+        "--watchdog-interval", "0.5",
+        # the forward outlasts decode's freeze right after its attach: the WRITE then meets a frozen
+        # decode (without it, a loaded machine may deliver the KV before the freeze lands)
+        "--faults", "delay_forward=1", wait=False,
     )
     d = mesh.start_decode("--faults", "sigstop_after_attach", wait=False)
     mesh.wait_healthy(p)

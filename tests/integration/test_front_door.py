@@ -75,7 +75,7 @@ def all_free(m: Mesh, *routers) -> None:
     """Admission slots all free on every router, queue gauges 0 and KV pools whole on every worker."""
     m.assert_invariants(timeout=20)
     for r in routers:
-        wait_for(lambda r=r: r.metrics().get("pdmesh:num_running_reqs", 1) == 0, 20,
+        wait_for(lambda r=r: r.metrics().get("pdmesh:router_num_running_reqs", 1) == 0, 20,
                  f"router :{r.http_port} to hold no admission slot")
 
 
@@ -252,7 +252,7 @@ def test_admission_counts_choices(mesh):
     done = threading.Event()
     thread, box = in_background(hold)
     try:
-        wait_for(lambda: r.metrics().get("pdmesh:num_running_reqs", 0) == BUDGET, 20, "the n-choice stream admitted")
+        wait_for(lambda: r.metrics().get("pdmesh:router_num_running_reqs", 0) == BUDGET, 20, "the n-choice stream admitted")
         t = time.monotonic()
         refused = httpx.post(r.http_url + "/v1/completions", json=NORMAL, timeout=30)
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limit_exceeded"

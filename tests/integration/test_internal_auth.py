@@ -55,5 +55,5 @@ def test_a_token_mismatch_ejects_the_workers_and_health_says_why(mesh: Mesh):
     right = mesh.start_router([p], [d], env=env)
     out = post_json(right.http_url, "/v1/completions", {"model": "pdmesh-tiny", "prompt": "Hi", "max_tokens": 4})
     assert out["usage"]["completion_tokens"] == 4
-    wait_for(lambda: right.metrics().get("pdmesh:num_running_reqs", 1) == 0, 10, "router holds no request")
+    wait_for(lambda: right.metrics().get("pdmesh:router_num_running_reqs", 1) == 0, 10, "router holds no request")
     mesh.assert_invariants()

@@ -46,7 +46,7 @@ def cluster(tmp_path_factory):
 
 def _settled(m: Mesh, *routers) -> None:
     for r in routers:
-        wait_for(lambda r=r: r.metrics().get("pdmesh:num_running_reqs", 1) == 0, 20, "router holds no request")
+        wait_for(lambda r=r: r.metrics().get("pdmesh:router_num_running_reqs", 1) == 0, 20, "router holds no request")
     m.assert_invariants(timeout=30)
 
 

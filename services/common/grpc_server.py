@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hmac
 import pathlib
+import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -56,13 +57,26 @@ _token: str = ""
 
 
 def configure_internal_token(token_file: str = "", token: str = "") -> bool:
-    """Set the process's internal token: the content of `token_file` (stripped; a missing file is
-    an error), else `token` (--internal-token / PDMESH_INTERNAL_TOKEN); neither: no
+    """Set the process's internal token: the content of `token_file` (stripped; a file that is
+    missing or empty is waited for, up to TOKEN_FILE_WAIT seconds, then an error), else `token` (--internal-token / PDMESH_INTERNAL_TOKEN); neither: no
     authentication. Call once at start, before building any server or channel. Returns whether a
     token is in force."""
     global _token
-    _token = (pathlib.Path(token_file).read_text() if token_file else token).strip()
+    _token = (_wait_for_file(pathlib.Path(token_file)).read_text() if token_file else token).strip()
     return bool(_token)
+
+
+TOKEN_FILE_WAIT = 60.0  # seconds: compose's one-shot token service may write it just after we start
+
+
+def _wait_for_file(path: pathlib.Path, timeout: float = TOKEN_FILE_WAIT) -> pathlib.Path:
+    """`path` once it exists and is not empty; FileNotFoundError after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and path.stat().st_size > 0):
+        if time.monotonic() >= deadline:
+            raise FileNotFoundError(f"internal token file {path} still missing or empty after {timeout:g} s")
+        time.sleep(0.2)
+    return path
 
 
 def internal_token() -> str:

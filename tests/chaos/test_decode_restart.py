@@ -67,7 +67,10 @@ def test_decode_killed_then_restarted(mesh):
     inflight_failed_after = time.monotonic() - killed_at
     assert inflight_failed_after < INFLIGHT_TIMEOUT / 2
     ti.join(timeout=30)
-    assert inflight_box["out"].prefill_error is not None
+    # the request fails (its decode is gone); prefill's side ends either with NIXL's disconnect
+    # error or, when UCX had already moved the bytes one-sidedly into the frozen process, with
+    # the WRITE done — what matters is that the inflight room ended at once, not by its deadline
+    assert inflight_box["out"].decode_error is not None
     # bootstrap fails by its deadline
     wait_for(lambda: p.metrics()["pdmesh:num_prefill_prealloc_queue_reqs"] == 0, BOOTSTRAP_TIMEOUT + 2, "bootstrap")
     tb.join(timeout=30)

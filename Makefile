@@ -13,7 +13,7 @@ PROTO_STAMP := $(PROTO_OUT)/.stamp
 # The one configuration file shared with docker compose (docs/deploy.md).
 ENV_FILE ?= deploy/pdmesh.env
 
-.PHONY: run test compose-test hosts-test chaos chaos-three chaos-hosts bench bench-router bench-serve gpu-check proto lint venv venv-dev clean
+.PHONY: run test long-test compose-test hosts-test chaos chaos-three chaos-hosts bench bench-router bench-serve gpu-check proto lint venv venv-dev clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,8 +46,15 @@ run: venv proto
 TEST_WORKERS ?= 2
 test: venv-dev proto
 	@scripts/ensure_test_tools.sh
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests --ignore=tests/compose
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not long" tests --ignore=tests/compose
 	@scripts/compose_test.sh
+
+# The long scenarios `make test` leaves out (minutes each): the hosts soak with partitions and the
+# schemathesis walk of the OpenAPI surface (pytest -m long; `make test` runs their short forms:
+# the small soak, the hosts tests, the router's API tests).
+long-test: venv-dev proto
+	@scripts/ensure_test_tools.sh
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m long tests --ignore=tests/compose
 
 # pdmesh in containers: build the image, compose up (CPU override), serve, scrape, pause, kill,
 # down (docs/deploy.md, "Tests"). Docker with Compose >= 2.24.4, or podman + podman-compose.

@@ -18,6 +18,9 @@ INJECTIONS = {
     "delay_forward=0.3": ("prefill", "decode"),
     "fail_forward=0.2": ("prefill", "decode"),
     "hang_forward=6": ("prefill", "decode"),
+    # wrong KV: the KV checksum fails the room before its first step and the router fails over
+    "corrupt_kv=0.5": ("decode",),
+    "misroute_kv=0.5": ("prefill",),
 }
 KINDS = ("kill", "freeze", "router_restart", "inject")
 # Only in hosts mode (every service in its own network namespace, tests/hosts): cut prefill#index

@@ -15,7 +15,7 @@ import pytest
 from tests.hosts.netns import run
 from tests.integration.mesh import ROOT
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.long]  # `make chaos-hosts` is the full soak
 
 SCHEDULE = "partition:0:0~12@3,kill:decode:1@17,partition:1:1:to_decode~12@21"
 

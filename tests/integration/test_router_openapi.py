@@ -21,7 +21,7 @@ import pytest
 
 from tests.integration.mesh import ROOT, Mesh
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.integration, pytest.mark.long, pytest.mark.timeout(400)]
 
 FUZZ_SECONDS = int(os.environ.get("PDMESH_FUZZ_SECONDS", "60"))
 FUZZ_SEED = os.environ.get("PDMESH_FUZZ_SEED", "20261130")

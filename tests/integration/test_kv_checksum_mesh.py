@@ -19,7 +19,7 @@ import pytest
 
 from services.common.sampling_params import SamplingParams
 from services.common.tokenizer import load_tokenizer
-from tests.integration.mesh import Mesh
+from tests.integration.mesh import Mesh, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 
@@ -78,6 +78,7 @@ def run_mesh(tmp_path, checksum: str):
                      | set(re.findall(r"room=(\d+): KV page \d+ corrupted after its WRITE landed", d_bad.log())))
         caught = sum(d.metrics().get("pdmesh:kv_integrity_failures_total", 0) for d in (d_bad, d_ok))
         m.assert_invariants()
+        wait_for(lambda: r.metrics().get("pdmesh:router_num_running_reqs", 1) == 0, 10, "no admission slot held")
         return results, faults, caught
     finally:
         m.close()

@@ -80,6 +80,7 @@ def test_the_canary_marks_exactly_the_broken_pair_while_idle(broken_pair):
         assert w.metrics().get("pdmesh:num_requests_total", 0) == 0, w.role
     assert not any(k.startswith("pdmesh:router_requests_total") for k, v in r.metrics().items() if v)
     m.assert_invariants()
+    wait_for(lambda: r.metrics().get("pdmesh:router_num_running_reqs", 1) == 0, 10, "no admission slot held")
 
 
 def test_requests_avoid_the_marked_pair_and_both_workers_keep_serving(broken_pair):
@@ -101,6 +102,7 @@ def test_requests_avoid_the_marked_pair_and_both_workers_keep_serving(broken_pai
     for w in (p_bad, d_bad):  # each still served through its other peer
         assert w.metrics().get("pdmesh:num_requests_total", 0) > 0, w.role
     m.assert_invariants()
+    wait_for(lambda: r.metrics().get("pdmesh:router_num_running_reqs", 1) == 0, 10, "no admission slot held")
 
 
 def test_a_restarted_prefill_starts_with_clean_pairs(broken_pair):
@@ -115,3 +117,4 @@ def test_a_restarted_prefill_starts_with_clean_pairs(broken_pair):
     assert fixed.grpc_addr == bad[0]
     assert scrape_metrics(r.http_url).get("pdmesh:router_pair_marked", 0) == 0
     m.assert_invariants()
+    wait_for(lambda: r.metrics().get("pdmesh:router_num_running_reqs", 1) == 0, 10, "no admission slot held")

@@ -11,10 +11,8 @@ import grpc
 import pytest
 
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
-from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.lane_batches import batches
-from services.router.lane import LaneStub
-from tests.fake_workers import FakeDecode, FakePrefill
+from tests.unit.test_router_lane import read_all, run_with
 
 pytestmark = pytest.mark.timeout(60)
 MIB = 1024 * 1024
@@ -27,32 +25,8 @@ def _request(room: int, grammar_bytes: int = 0) -> wpb.PrefillRequest:
     return wpb.PrefillRequest(room=room, token_ids=[1, 2, 3], params=params)
 
 
-async def _read_all(call) -> list[wpb.DecodeChunk]:
-    chunks = []
-    while (msg := await call.read()) is not grpc.aio.EOF:
-        chunks.append(msg)
-    return chunks
-
-
 def _run(fn, max_message_bytes: int) -> None:
-    async def main():
-        p, d = FakePrefill(), FakeDecode()
-        await p.start()
-        await d.start()
-        pch, dch = grpc.aio.insecure_channel(p.addr), grpc.aio.insecure_channel(d.addr)
-        ps = LaneStub(wpb_grpc.PrefillStub(pch), p.addr, max_message_bytes=max_message_bytes)
-        ds = LaneStub(wpb_grpc.DecodeStub(dch), d.addr, max_message_bytes=max_message_bytes)
-        try:
-            await fn(p, ps, ds)
-        finally:
-            await ps.lane.close()
-            await ds.lane.close()
-            await pch.close()
-            await dch.close()
-            await p.stop()
-            await d.stop()
-
-    asyncio.run(main())
+    run_with(lambda p, d, ps, ds: fn(p, ps, ds), max_message_bytes=max_message_bytes)
 
 
 def test_batches_keep_order_and_bound():
@@ -87,7 +61,7 @@ def test_one_call_too_big_for_any_message_fails_alone():
         assert "message limit" in e.value.details()
         assert [r.room for r in await asyncio.gather(*others)] == list(range(2, 12))
         for call in streams:
-            assert sum(len(c.token_ids) for c in await _read_all(call)) == 3
+            assert sum(len(c.token_ids) for c in await read_all(call)) == 3
         assert 1 not in p.seen.rooms  # never sent
         assert ps.lane.opened == 1
 

@@ -44,8 +44,9 @@ async def wait_until(cond, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
-def run_with(fn, *, prefill_lane: bool = True):
-    """Run `fn(prefill, decode, prefill_stub, decode_stub)` against fresh fakes on real gRPC."""
+def run_with(fn, *, prefill_lane: bool = True, **stub_kw):
+    """Run `fn(prefill, decode, prefill_stub, decode_stub)` against fresh fakes on real gRPC
+    (`stub_kw`: LaneStub's options, e.g. max_message_bytes)."""
 
     async def main():
         p, d = FakePrefill(), FakeDecode()
@@ -53,8 +54,8 @@ def run_with(fn, *, prefill_lane: bool = True):
         await p.start()
         await d.start()
         pch, dch = grpc.aio.insecure_channel(p.addr), grpc.aio.insecure_channel(d.addr)
-        ps = LaneStub(wpb_grpc.PrefillStub(pch), p.addr)
-        ds = LaneStub(wpb_grpc.DecodeStub(dch), d.addr)
+        ps = LaneStub(wpb_grpc.PrefillStub(pch), p.addr, **stub_kw)
+        ds = LaneStub(wpb_grpc.DecodeStub(dch), d.addr, **stub_kw)
         try:
             await fn(p, d, ps, ds)
         finally:

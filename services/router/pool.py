@@ -285,6 +285,7 @@ class WorkerPool:
                     self._mark(w, False, problem)
                 return False
             w.failures = 0
+            w.last_error = ""  # /health reports why a worker is out, not a blip it recovered from
             if not w.healthy:
                 self._mark(w, True, "health probe succeeded")
         else:

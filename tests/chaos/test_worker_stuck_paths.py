@@ -125,8 +125,10 @@ def test_decode_admits_new_requests_once_retracted_ones_resume(mesh):
     # 24 pages of 16 tokens. A (20 + 300 tokens, 20 pages) and B (20 + 200, 14 pages) cannot
     # both grow to their end: B is retracted and resumes only when A finishes. C arrives while
     # B is retracted and must be admitted as soon as B has resumed — not when B finishes.
+    # Each decode step takes at least 10 ms, so A cannot finish before B's prefill lands
+    # however loaded the machine is (otherwise B never has to be retracted).
     p = mesh.start_prefill(wait=False)
-    d = mesh.start_decode("--num-pages", "24", "--page-size", "16", wait=False)
+    d = mesh.start_decode("--num-pages", "24", "--page-size", "16", "--faults", "delay_forward=0.01", wait=False)
     mesh.wait_healthy(p)
     mesh.wait_healthy(d)
     finished_at: dict[str, float] = {}
@@ -141,7 +143,9 @@ def test_decode_admits_new_requests_once_retracted_ones_resume(mesh):
         a = asyncio.ensure_future(timed("A", [5] * 20, 300))
         await asyncio.to_thread(wait_for, lambda: d.metrics()["pdmesh:num_running_reqs"] == 1, 20, "A running")
         b = asyncio.ensure_future(timed("B", [6] * 20, 200))
-        await asyncio.to_thread(wait_for, lambda: d.metrics()["pdmesh:num_retracted_reqs"] == 1, 60, "B retracted")
+        # the counter, not the gauge: a poll can miss a short retraction, never a counted one
+        await asyncio.to_thread(wait_for, lambda: d.metrics()["pdmesh:num_retracted_requests_total"] >= 1, 60,
+                                "B retracted")
         c = asyncio.ensure_future(timed("C", [8] * 10, 3))
         return await asyncio.gather(a, b, c)
 

@@ -186,8 +186,8 @@ async def _bench_layout(name: str, max_tokens: int, reps: int, poll_interval: fl
     from services.engine.kv_pool import KVPool
     from services.transfer.nixl_agent import NixlAgent
     from services.transfer.poller import ProgressPoller
-    from services.transfer.protocol import MemoryKind, MemoryLayout
     from services.transfer.sender import KVSender
+    from services.transfer.wire_format import MemoryKind, MemoryLayout
 
     config, dtype = _layouts()[name]
     max_pages = max_tokens // PAGE_SIZE

@@ -1,7 +1,7 @@
 """The version of the protocol between the router and its workers (worker.proto's calls and what
 each side expects of the other's behaviour), which they exchange in every health probe's Load
 call and check: the KV transfer between prefill and decode has its own version
-(services/transfer/protocol.py, checked at bootstrap).
+(services/transfer/wire_format.py, checked at bootstrap).
 
 Compatibility: a peer is accepted when its version is at least this side's minimum, and this
 side's version at least the peer's minimum. A release that keeps working with the previous one

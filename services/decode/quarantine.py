@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from services.common.logging_setup import bound_room, get_logger
 from services.transfer.bootstrap import BootstrapCallError
-from services.transfer.protocol import ProtocolMismatch
+from services.transfer.wire_format import ProtocolMismatch
 
 log = get_logger("decode.quarantine")
 

@@ -14,7 +14,6 @@ A protocol version mismatch is FAILED_PRECONDITION naming both versions, on both
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,17 +22,18 @@ import grpc
 from services.common.generated.pdmesh.v1 import bootstrap_pb2 as pb
 from services.common.generated.pdmesh.v1 import bootstrap_pb2_grpc as pb_grpc
 from services.common.grpc_server import internal_channel
-from services.transfer.protocol import (
+from services.common.logging_setup import get_logger
+from services.transfer.receiver import AttachParams, KVReceiver
+from services.transfer.sender import BootstrapRejected, KVSender
+from services.transfer.wire_format import (
     PROTOCOL_VERSION,
     MemoryKind,
     MemoryLayout,
     ProtocolMismatch,
     TransferError,
 )
-from services.transfer.receiver import AttachParams, KVReceiver
-from services.transfer.sender import BootstrapRejected, KVSender
 
-log = logging.getLogger(__name__)
+log = get_logger("transfer.bootstrap")
 
 ERROR_KEY = "pdmesh-error"
 VERSION_KEY = "pdmesh-protocol-version"
@@ -333,9 +333,7 @@ class KVReceiveCoordinator:
                 )
                 self._registered[address] = info
                 self._saw_epoch(address, info.epoch)
-                log.info(
-                    "registered with prefill %s (agent %s, epoch %d)", address, info.agent_name, info.epoch
-                )
+                log.info("registered with prefill", prefill=address, agent=info.agent_name, epoch=info.epoch)
             return info
 
     def prefill_generation(self, address: str) -> int:
@@ -344,7 +342,7 @@ class KVReceiveCoordinator:
 
     def _declare_gone(self, address: str, why: str) -> None:
         self._gone[address] = self._gone.get(address, 0) + 1
-        log.info("prefill %s is gone (%s)", address, why)
+        log.info("prefill is gone", prefill=address, why=why)
 
     def _saw_epoch(self, address: str, epoch: int) -> None:
         old = self._epochs.get(address)
@@ -396,7 +394,7 @@ class KVReceiveCoordinator:
         try:
             await self.client(address).abort(room, reason, self.receiver.agent_name)
         except Exception as e:
-            log.info("abort of room %d at prefill %s not delivered: %s", room, address, e)
+            log.info("abort not delivered", room=room, prefill=address, error=str(e))
 
     async def heartbeat_once(self) -> None:
         by_peer = self.receiver.waiting_by_peer()
@@ -412,7 +410,8 @@ class KVReceiveCoordinator:
             )
         except Exception as e:
             n = self._hb_failures[peer] = self._hb_failures.get(peer, 0) + 1
-            log.warning("heartbeat to prefill %s failed (%d/%d): %s", peer, n, self.heartbeat_max_failures, e)
+            log.warning("heartbeat to prefill failed", prefill=peer, failures=n, max_failures=self.heartbeat_max_failures,
+                        error=str(e))
             if n >= self.heartbeat_max_failures:
                 self._hb_failures[peer] = 0
                 self.forget(peer)
@@ -432,7 +431,8 @@ class KVReceiveCoordinator:
                 f"(> --forward-timeout {self.forward_timeout:g}s)",
             )
             if failed:
-                log.warning("prefill %s forward stuck %.1fs: failed %d waiting rooms", peer, hb.forward_age, len(failed))
+                log.warning("prefill forward stuck: waiting rooms failed", prefill=peer,
+                            forward_age_s=round(hb.forward_age, 1), failed_rooms=len(failed))
 
     async def _heartbeat_loop(self) -> None:
         while True:

@@ -21,10 +21,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from services.common.logging_setup import get_logger
 from services.transfer.descriptors import Desc
-from services.transfer.protocol import MemoryKind, MemoryLayout, NixlError, agent_name, new_epoch
+from services.transfer.wire_format import MemoryKind, MemoryLayout, NixlError, agent_name, new_epoch
 
-log = logging.getLogger(__name__)
+log = get_logger("transfer.nixl")
 
 # The wheel is nixl-cu12 (module nixl_cu12; requirements.txt); with a CUDA 13 build of torch,
 # nixl-cu13 (module nixl_cu13) is preferred when installed (scripts/gpu_check.py, docs/gpu.md).
@@ -140,12 +141,8 @@ class NixlAgent:
         self._unclaimed: dict[str, list[bytes]] = {}  # notifications fetched by progress()
         self._zombies: list[Xfer] = []  # release refused (still active); retried on later polls
         self.closed = False
-        log.info(
-            "nixl agent %s ready (%s KV on device %d, prog thread off)",
-            self.name,
-            self.kv_kind.value,
-            self.kv_device,
-        )
+        log.info("nixl agent ready", agent=self.name, kv_kind=self.kv_kind.value, kv_device=self.kv_device,
+                 progress_thread=False)
 
     # --- metadata and peers ---------------------------------------------------------------
     def metadata(self) -> bytes:
@@ -173,7 +170,7 @@ class NixlAgent:
         try:
             self._agent.remove_remote_agent(name)
         except Exception as e:  # already gone on the NIXL side
-            log.warning("remove_remote_agent(%s) failed: %s", name, e)
+            log.warning("remove_remote_agent failed", agent=name, error=str(e))
 
     # --- transfers ------------------------------------------------------------------------
     def _dlist(self, ranges: list[tuple[int, int]], kind: MemoryKind, device: int):
@@ -234,7 +231,7 @@ class NixlAgent:
             self._agent.release_xfer_handle(x.handle)
         except Exception as e:
             x.release_error = f"{type(e).__name__}: {e}"
-            log.warning("release of a transfer to %s deferred: %s", x.peer, e)
+            log.warning("release of a transfer deferred", peer=x.peer, error=str(e))
             if x not in self._zombies:
                 self._zombies.append(x)
             return False
@@ -265,7 +262,7 @@ class NixlAgent:
         try:
             got = self._agent.get_new_notifs()
         except Exception as e:
-            log.warning("get_new_notifs failed: %s", e)
+            log.warning("get_new_notifs failed", error=str(e))
             return
         for k, v in got.items():
             self._unclaimed.setdefault(k.decode() if isinstance(k, bytes) else k, []).extend(v)
@@ -278,7 +275,7 @@ class NixlAgent:
             self._agent.send_notif(peer, msg)
             return True
         except Exception as e:
-            log.warning("send_notif to %s failed: %s", peer, e)
+            log.warning("send_notif failed", peer=peer, error=str(e))
             return False
 
     @classmethod
@@ -299,4 +296,4 @@ class NixlAgent:
             try:
                 self._agent.deregister_memory(reg)
             except Exception as e:
-                log.warning("deregister_memory failed: %s", e)
+                log.warning("deregister_memory failed", error=str(e))

@@ -9,10 +9,11 @@ that ~1 ms); when ``poll()`` reports nothing in flight it sleeps on an event unt
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable, Coroutine
 
-log = logging.getLogger(__name__)
+from services.common.logging_setup import get_logger
+
+log = get_logger("transfer.poller")
 
 
 class ProgressPoller:
@@ -61,7 +62,7 @@ class ProgressPoller:
                 busy = self._poll()
             except Exception:
                 self.errors += 1
-                log.exception("%s: poll failed", self.name)
+                log.exception("poll failed", poller=self.name)
                 busy = 1
             self.polls += 1
             if busy:

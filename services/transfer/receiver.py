@@ -20,15 +20,16 @@ No torch and no nixl import (the agent is passed in).
 
 from __future__ import annotations
 
-import logging
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from services.common.logging_setup import get_logger
 from services.transfer.kv_checksum import NONE as NO_CHECKSUM
 from services.transfer.kv_checksum import kv_checksum
-from services.transfer.protocol import (
+from services.transfer.state import Clock, Room, RoomState, RoomTable
+from services.transfer.wire_format import (
     AUX_CHECKSUM,
     AUX_WORDS,
     AbortNotification,
@@ -36,9 +37,8 @@ from services.transfer.protocol import (
     KVNotification,
     verify_aux,
 )
-from services.transfer.state import Clock, Room, RoomState, RoomTable
 
-log = logging.getLogger(__name__)
+log = get_logger("transfer.receiver")
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class KVReceiver:
         self.corrupt_kv = corrupt_kv
         self._fault_rng = random.Random(fault_seed)
         if corrupt_kv:
-            log.warning("FAULT INJECTION ON: KV receiver corrupts a room's KV with probability %g", corrupt_kv)
+            log.warning("FAULT INJECTION ON: KV receiver corrupts a room's KV", probability=corrupt_kv)
         self.agent = agent
         self.pool = pool
         self.clock = clock
@@ -214,7 +214,7 @@ class KVReceiver:
             return
         if self.corrupt_kv and row.sent_pages and self._fault_rng.random() < self.corrupt_kv:
             self.pool.kv[r.dst_pages[0]].neg_()
-            log.warning("FAULT: room=%d: KV page %d corrupted after its WRITE landed", r.room, r.dst_pages[0])
+            log.warning("FAULT: KV page corrupted after its WRITE landed", room=r.room, page=r.dst_pages[0])
         why = self._check_kv(r, row, words)
         if why:
             self._fail(r, why, code="DATA_LOSS")
@@ -252,7 +252,7 @@ class KVReceiver:
             return False
         r.code = code
         self.stats["failed"] += 1
-        log.warning("kv receive failed room=%d reason=%s", r.room, reason)
+        log.warning("kv receive failed", room=r.room, reason=reason)
         self._notify(r)
         return True
 
@@ -261,7 +261,7 @@ class KVReceiver:
             try:
                 self.on_terminal(r)
             except Exception:
-                log.exception("on_terminal callback failed for room %d", r.room)
+                log.exception("on_terminal callback failed", room=r.room)
 
     def release(self, room: int) -> ReceiverRoom | None:
         """Forget a room and free its aux slot (the worker keeps/frees the KV pages).

@@ -25,16 +25,17 @@ a fake in unit tests).
 
 from __future__ import annotations
 
-import logging
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.common.logging_setup import get_logger
 from services.transfer.descriptors import Desc, page_descs
 from services.transfer.kv_checksum import kv_checksum
-from services.transfer.protocol import (
+from services.transfer.state import Clock, DuplicateRoom, Room, RoomState, RoomTable
+from services.transfer.wire_format import (
     AUX_CHECKSUM,
     AUX_WORDS,
     AbortNotification,
@@ -45,9 +46,8 @@ from services.transfer.protocol import (
     NixlError,
     TransferError,
 )
-from services.transfer.state import Clock, DuplicateRoom, Room, RoomState, RoomTable
 
-log = logging.getLogger(__name__)
+log = get_logger("transfer.sender")
 
 # How long poll() keeps driving UCX after a standalone notification, so it actually leaves
 # (a first message to a peer may need the connection set up first).
@@ -161,11 +161,11 @@ class KVSender:
         if refuse_attach:
             log.warning("FAULT INJECTION ON: KV sender refuses every attach")
         if refuse_attach_from:
-            log.warning("FAULT INJECTION ON: KV sender refuses the attach of decodes named %r", refuse_attach_from)
+            log.warning("FAULT INJECTION ON: KV sender refuses the attach of decodes named so", name=refuse_attach_from)
         if drop_notification:
             log.warning("FAULT INJECTION ON: KV sender drops every notification")
         if stall_before_post:
-            log.warning("FAULT INJECTION ON: KV sender stalls %.3f s before every post", stall_before_post)
+            log.warning("FAULT INJECTION ON: KV sender stalls before every post", stall_s=stall_before_post)
         # the KV checksum of every room's pages and aux row (services/transfer/kv_checksum.py)
         self.kv_checksum = kv_checksum
         # TEST-ONLY fault knob: with this probability a room's KV pages land in its own destination
@@ -173,7 +173,7 @@ class KVSender:
         self.misroute_kv = misroute_kv
         self._fault_rng = random.Random(fault_seed)
         if misroute_kv:
-            log.warning("FAULT INJECTION ON: KV sender misroutes a room's pages with probability %g", misroute_kv)
+            log.warning("FAULT INJECTION ON: KV sender misroutes a room's pages", probability=misroute_kv)
         self.rooms: RoomTable[SenderRoom] = RoomTable(clock, tombstones)
         self._pending: dict[int, AttachInfo] = {}
         self._flush_until = 0.0  # poll() drives UCX progress until then (abort notifications)
@@ -219,9 +219,8 @@ class KVSender:
                 )
             else:
                 self.stats["peers_replaced"] += 1
-                log.info(
-                    "decode %s restarted: replacing agent %s with %s", worker_id, old.agent_name, agent_name
-                )
+                log.info("decode restarted: replacing its agent", decode=worker_id, old_agent=old.agent_name,
+                         agent=agent_name)
                 self._drop_peer(old, f"decode {worker_id} restarted (epoch {old.epoch} -> {epoch})")
         try:
             loaded = self.agent.add_peer(metadata)
@@ -359,7 +358,7 @@ class KVSender:
         dst_pages = list(a.dst_pages[: len(src_pages)])
         if self.misroute_kv and len(dst_pages) > 1 and self._fault_rng.random() < self.misroute_kv:
             dst_pages[0], dst_pages[1] = dst_pages[1], dst_pages[0]
-            log.warning("FAULT: room=%d: KV pages misrouted (first two swapped)", room)
+            log.warning("FAULT: KV pages misrouted (first two swapped)", room=room)
         kv = page_descs(
             src_pages,
             dst_pages,
@@ -405,10 +404,8 @@ class KVSender:
         if x is not None and self.agent.release(x) is False:
             d = self._deferred.setdefault(r.room, _Deferred(self.clock()))
             d.handles.append(x)
-            log.warning(
-                "room=%d: NIXL refused to release its transfer handle (%s); its pages stay held "
-                "until a sweep releases it", r.room, getattr(x, "release_error", "") or "still active",
-            )
+            log.warning("NIXL refused to release its transfer handle; its pages stay held until a sweep releases it",
+                        room=r.room, error=getattr(x, "release_error", "") or "still active")
 
     def _stage_done(self, r: SenderRoom) -> None:
         self._release_handle(r)
@@ -475,13 +472,12 @@ class KVSender:
             released += len(d.handles) - len(still)
             d.handles = still
             if still:
-                log.warning(
-                    "room=%d: %d NIXL handle(s) still not released after %.1fs (%s); pages stay held",
-                    room, len(still), now - d.since, getattr(still[0], "release_error", "") or "still active",
-                )
+                log.warning("NIXL handles still not released; pages stay held", room=room, handles=len(still),
+                            held_s=round(now - d.since, 1),
+                            error=getattr(still[0], "release_error", "") or "still active")
                 continue
             del self._deferred[room]
-            log.info("room=%d: deferred NIXL handle released after %.1fs", room, now - d.since)
+            log.info("deferred NIXL handle released", room=room, held_s=round(now - d.since, 1))
             for fn in d.on_quiesced:
                 fn()
         return {"expired_attaches": expired, "released_handles": released, "deferred_rooms": len(self._deferred)}
@@ -492,10 +488,8 @@ class KVSender:
             if now - a.at > self.pending_attach_ttl:
                 del self._pending[room]
                 n += 1
-                log.warning(
-                    "room=%d: parked attach from %s dropped: no Prefill RPC within %gs",
-                    room, a.agent_name, self.pending_attach_ttl,
-                )
+                log.warning("parked attach dropped: no Prefill RPC in time", room=room, agent=a.agent_name,
+                            ttl_s=self.pending_attach_ttl)
         return n
 
     def quiesced(self, room: int) -> bool:
@@ -545,7 +539,7 @@ class KVSender:
         if not r.fail(reason, self.clock()):
             return False
         self.stats["failed"] += 1
-        log.warning("kv send failed room=%d reason=%s", r.room, reason)
+        log.warning("kv send failed", room=r.room, reason=reason)
         if tell_peer and r.attach is not None:
             # best-effort: decode fails the room now rather than at its next heartbeat. With no
             # progress thread the message moves only while someone drives UCX: poll() does, for
@@ -567,7 +561,7 @@ class KVSender:
             try:
                 self.on_terminal(r)
             except Exception:
-                log.exception("on_terminal callback failed for room %d", r.room)
+                log.exception("on_terminal callback failed", room=r.room)
 
     def release(self, room: int) -> SenderRoom | None:
         """Forget a room (its terminal state is remembered). A non-terminal room fails first."""

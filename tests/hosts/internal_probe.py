@@ -23,7 +23,7 @@ from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.grpc_server import channel
 from services.common.sampling_params import SamplingParams
 from services.common.wire import params_to_pb
-from services.transfer.protocol import PROTOCOL_VERSION
+from services.transfer.wire_format import PROTOCOL_VERSION
 
 
 async def code_of(coro) -> str:

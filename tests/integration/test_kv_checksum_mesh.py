@@ -11,7 +11,7 @@ do produce wrong outputs with a 200. Each run ends with the mesh's invariants.
 
 from __future__ import annotations
 
-import re
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -74,14 +74,27 @@ def run_mesh(tmp_path, checksum: str):
         with ThreadPoolExecutor(4) as pool:
             results = dict(zip(PROMPTS, pool.map(one, PROMPTS), strict=True))
         # rooms a fault struck (a room through both faulty workers may be struck twice, and fails once)
-        faults = len(set(re.findall(r"room=(\d+): KV pages misrouted", p_bad.log()))
-                     | set(re.findall(r"room=(\d+): KV page \d+ corrupted after its WRITE landed", d_bad.log())))
+        faults = len(_struck_rooms(p_bad.log(), "FAULT: KV pages misrouted")
+                     | _struck_rooms(d_bad.log(), "FAULT: KV page corrupted after its WRITE landed"))
         caught = sum(d.metrics().get("pdmesh:kv_integrity_failures_total", 0) for d in (d_bad, d_ok))
         m.assert_invariants()
         wait_for(lambda: r.metrics().get("pdmesh:router_num_running_reqs", 1) == 0, 10, "no admission slot held")
         return results, faults, caught
     finally:
         m.close()
+
+
+def _struck_rooms(log: str, event_prefix: str) -> set[int]:
+    """The rooms of a worker's JSON log lines whose event starts with `event_prefix`."""
+    rooms = set()
+    for line in log.splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and str(entry.get("event", "")).startswith(event_prefix):
+            rooms.add(entry["room"])
+    return rooms
 
 
 def test_corrupt_and_misrouted_kv_never_reach_a_client(tmp_path, reference):

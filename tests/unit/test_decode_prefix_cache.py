@@ -17,9 +17,9 @@ from services.common.sampling_params import SamplingParams
 from services.decode.jobs import Phase
 from services.decode.worker import DecodeWorker
 from services.engine.worker_engine import WorkerEngine
-from services.transfer.protocol import AuxRow
 from services.transfer.receiver import KVReceiver
 from services.transfer.state import RoomState
+from services.transfer.wire_format import AuxRow
 from tests.unit.test_transfer_managers import FakeAgent
 
 P = 16

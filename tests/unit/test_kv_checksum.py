@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from services.transfer.kv_checksum import NONE, kv_checksum, runs
-from services.transfer.protocol import AUX_CHECKSUM, AuxRow, KVNotification
 from services.transfer.receiver import KVReceiver
 from services.transfer.state import RoomState
+from services.transfer.wire_format import AUX_CHECKSUM, AuxRow, KVNotification
 from tests.unit.test_transfer_managers import Clock, FakeAgent, Pool
 
 PAGE_BYTES = 32

@@ -11,10 +11,10 @@ import pytest
 from services.common.generated.pdmesh.v1 import bootstrap_pb2 as pb
 from services.common.generated.pdmesh.v1 import bootstrap_pb2_grpc as pb_grpc
 from services.transfer import bootstrap as bs
-from services.transfer.protocol import PROTOCOL_VERSION, AuxRow, KVNotification, ProtocolMismatch
 from services.transfer.receiver import KVReceiver
 from services.transfer.sender import KVSender
 from services.transfer.state import RoomState
+from services.transfer.wire_format import PROTOCOL_VERSION, AuxRow, KVNotification, ProtocolMismatch
 from tests.unit.test_transfer_managers import FakeAgent, Pool
 
 pytestmark = pytest.mark.timeout(30)

@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 
 from services.engine.page_allocator import PageAllocator
-from services.transfer.protocol import (
+from services.transfer.receiver import KVReceiver
+from services.transfer.sender import BootstrapRejected, KVSender
+from services.transfer.state import DuplicateRoom, RoomState
+from services.transfer.wire_format import (
     AUX_WORDS,
     AbortNotification,
     AuxRow,
@@ -15,9 +18,6 @@ from services.transfer.protocol import (
     MemoryLayout,
     NixlError,
 )
-from services.transfer.receiver import KVReceiver
-from services.transfer.sender import BootstrapRejected, KVSender
-from services.transfer.state import DuplicateRoom, RoomState
 
 S = RoomState
 PAGE = 64

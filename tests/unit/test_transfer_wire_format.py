@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from services.transfer import protocol as p
+from services.transfer import wire_format as p
 
 
 def test_notification_roundtrip_and_foreign_messages():
@@ -72,7 +72,7 @@ def test_pure_modules_import_neither_torch_nor_nixl():
 
     code = (
         "import sys; import services.transfer.state, services.transfer.descriptors, "
-        "services.transfer.protocol, services.transfer.sender, services.transfer.receiver; "
+        "services.transfer.wire_format, services.transfer.sender, services.transfer.receiver; "
         "bad = [m for m in ('torch', 'nixl_cu12') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -1,4 +1,4 @@
-"""The ways a request could still get stuck or leak inside a worker (issue: one lifecycle per
+"""The ways a request could still get stuck or leak inside a worker (one lifecycle per
 job), each reproduced through real processes, real gRPC and real NIXL:
 
 - prefill's scheduler must not stop at an old job that cannot get pages while a later job that

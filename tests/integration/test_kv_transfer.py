@@ -1,4 +1,4 @@
-"""KV transfer between real OS processes over the real NIXL (UCX) — issue 3's "Must show".
+"""KV transfer between real OS processes over the real NIXL (UCX).
 
 One sender process (prefill side: KVSender + gRPC KVBootstrap, with the built-in model) serves
 the whole module; receivers (decode side) are started per test. Helper process:

@@ -1,4 +1,5 @@
-"""The router in front of real prefill and decode processes (the issue's "Must show" list).
+"""The router in front of real prefill and decode processes: the OpenAI SDK, bad input, disconnects, frozen
+and killed workers under load.
 
 - the official openai SDK: completions and chat, streaming and not, usage equal to the real
   token counts (checked against the workers driven directly), `stop` honoured;

@@ -5,7 +5,7 @@ services/router/openapi.py). One bound is applied to the generated bodies
 (tests/integration/schemathesis_hooks.py): at most 16 new tokens per request, so the time
 budget goes to many different bodies rather than a few 8,000-token generations.
 
-Time budget: 60 s of fuzzing (the issue's figure); PDMESH_FUZZ_SECONDS overrides it. The seed is
+Time budget: 60 s of fuzzing; PDMESH_FUZZ_SECONDS overrides it. The seed is
 fixed so that `make test` is repeatable (PDMESH_FUZZ_SEED explores others: `random` draws one).
 Afterwards the mesh still serves and every queue is empty.
 """

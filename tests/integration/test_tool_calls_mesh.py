@@ -1,4 +1,4 @@
-"""Tool calls with the openai SDK through router + prefill + decode processes (issue #13).
+"""Tool calls with the openai SDK through router + prefill + decode processes.
 
 The model is a tiny random Qwen2 with a Qwen2.5-style tool-calling chat template
 (tests/hf_checkpoints.py, built offline with transformers): the router detects the `hermes`

@@ -25,7 +25,7 @@ DASHBOARD = GRAFANA / "dashboards" / "pdmesh.json"
 # Grafana's built-in macros, replaced by a concrete value before promtool parses an expression.
 MACROS = {"$__rate_interval": "1m", "$__interval": "1m", "$__range": "1h"}
 
-# What the dashboard must show (issue: PD queues, TTFT/ITL/e2e, KV transfer bandwidth, token usage,
+# What the dashboard must show (PD queues, TTFT/ITL/e2e, KV transfer bandwidth, token usage,
 # evictions).
 REQUIRED = {
     "pdmesh:num_prefill_prealloc_queue_reqs",

@@ -62,6 +62,7 @@ class ResponseState:
         prefix = "cmpl-" if spec.kind == "completion" else "chatcmpl-"
         self.id = prefix + request_id
         self.created = int(time.time())
+        self._tokenizer = tokenizer
         self.out = OutputText(tokenizer, spec.prompt_ids, spec.stop, spec.skip_special_tokens,
                               spec.include_stop_str_in_output)
         self.completion_tokens = 0
@@ -198,16 +199,21 @@ class ResponseState:
 
     def _prompt_entries(self) -> list[Entry]:
         """echo + logprobs: the prompt's tokens as entries, ahead of the generated ones. The first
-        has no logprob (null, as OpenAI's); offsets are the running length of the token texts,
-        starting at 0 (the echoed prompt's start), as vLLM counts them."""
+        has no logprob (null, as OpenAI's). A token's offset is where its text starts in the
+        echoed prompt (detokenized incrementally, as the generated tokens' offsets are counted, so
+        offsets never decrease across the two); special tokens count when the echoed text holds
+        them (a prompt of token ids is echoed as their full decoding)."""
         ids, lp, k = self.spec.prompt_ids, self.prompt_lp, self.spec.logprobs or 0
         if lp is None or len(lp) != len(ids) - 1:
             raise ValueError("the prompt's logprobs are missing or incomplete")
-        out: list[Entry] = [(ids[0], None, 0, None)]
-        offset = len(self._token(ids[0])[0])
-        for i in range(1, len(ids)):
-            out.append((ids[i], lp.logprobs[i - 1], offset, lp.top(i - 1, k) if k else None))
-            offset += len(self._token(ids[i])[0])
+        skip = self.spec.echo_text != self._tokenizer.decode(ids, skip_special_tokens=False)
+        walk = OutputText(self._tokenizer, [], (), skip)
+        out: list[Entry] = []
+        for i, token in enumerate(ids):
+            offset = walk.released_chars
+            walk.add(token)
+            out.append((token, None, offset, None) if i == 0 else
+                       (token, lp.logprobs[i - 1], offset, lp.top(i - 1, k) if k else None))
         return out
 
     def _completion_logprobs(self, entries) -> dict[str, Any] | None:

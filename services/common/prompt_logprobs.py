@@ -34,7 +34,9 @@ class PromptLogprobs:
 
 
 def to_pb(p: PromptLogprobs, msg) -> None:
-    """Fill a worker_pb2.PromptLogprobs message."""
+    """Fill a worker_pb2.PromptLogprobs message (present even when empty: a one-token prompt with
+    k = 0 has nothing to carry, and the receiver tells "none asked" from "none sent" by presence)."""
+    msg.SetInParent()
     msg.k = p.k
     msg.logprobs.extend(p.logprobs)
     msg.ranks.extend(p.ranks)

@@ -163,6 +163,11 @@ def test_vllm_prompt_logprobs_completions_and_chat(mesh, hf):
     plp = chat["prompt_logprobs"]
     assert plp[0] is None and len(plp) == chat["usage"]["prompt_tokens"]
     assert all(len(e) == 1 for e in plp[1:])  # 0 alternatives: the prompt's own token only
+    # a one-token prompt: nothing has context, and that is still an answer
+    one = post_json(pd.http_url, "/v1/completions", {"model": MODEL, "prompt": [ids[0]], "max_tokens": 1,
+                                                     "prompt_logprobs": 0, "echo": True, "logprobs": 0})
+    assert one["choices"][0]["prompt_logprobs"] == [None]
+    assert one["choices"][0]["logprobs"]["token_logprobs"][0] is None
     m.assert_invariants()
 
 

@@ -59,3 +59,20 @@ def test_final_row_predicts_nothing_in_the_prompt():
     assert chunk_targets([1, 2, 3, 4], 0, 2) == [2, 3]
     out = reduce_chunk(torch.zeros(1, 8), [], 2)
     assert len(out) == 0 and out.top_ids == []
+
+
+def test_the_wire_tells_none_sent_from_none_asked():
+    """A one-token prompt with k = 0 has nothing to carry; the message is still present, so the
+    router does not read it as a worker that ignored the request."""
+    from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
+    from services.common.prompt_logprobs import from_pb, to_pb
+
+    reply = wpb.PrefillReply()
+    to_pb(PromptLogprobs(0), reply.prompt_logprobs)
+    back = wpb.PrefillReply.FromString(reply.SerializeToString())
+    assert back.HasField("prompt_logprobs") and len(from_pb(back.prompt_logprobs)) == 0
+    assert not wpb.PrefillReply().HasField("prompt_logprobs")
+    full = PromptLogprobs(2, [-1.0], [3], [7, 9], [-0.1, -0.2])
+    reply = wpb.PrefillReply()
+    to_pb(full, reply.prompt_logprobs)
+    assert from_pb(wpb.PrefillReply.FromString(reply.SerializeToString()).prompt_logprobs) == full

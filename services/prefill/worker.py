@@ -316,13 +316,19 @@ class PrefillWorker:
                 job.phase = Phase.QUEUED
             else:
                 if job.params.prompt_logprobs is not None:
-                    # a chunk adds its positions; a copy takes its leader's (complete: its KV is)
-                    lp = prompt_of.get(job) if job in chunk_of else leader_of[job].prompt_lp
-                    if job.prompt_lp is None or job not in chunk_of:
-                        job.prompt_lp = lp
-                    elif lp is not None:
-                        job.prompt_lp.extend(lp)
+                    self._gather_prompt_logprobs(job, prompt_of.get(job), leader_of.get(job))
                 self._advance(job, chunk_of.get(job), sampled.get(job), kept.get(final_at.get(job, -1)))
+
+    @staticmethod
+    def _gather_prompt_logprobs(job: Job, computed, leader: Job | None) -> None:
+        """A chunk adds its positions' prompt logprobs; a copy takes its leader's (complete, as
+        its KV is: the batch's chunks are gathered before its copies)."""
+        if leader is not None:
+            job.prompt_lp = leader.prompt_lp
+        elif job.prompt_lp is None:
+            job.prompt_lp = computed
+        else:
+            job.prompt_lp.extend(computed)
 
     def _advance(self, job: Job, chunk: int | None, first: tuple[int, float, TopLogprobs | None] | None,
                  logits) -> None:

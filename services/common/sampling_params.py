@@ -42,6 +42,9 @@ class SamplingParams:
     # vLLM's bad_words as token sequences: a sequence's last id is banned while the generated ids
     # end with the rest of it (services/engine/logits_processors.py).
     bad_words: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
+    # vLLM's prompt_logprobs: each prompt token's logprob (and rank) plus this many alternatives,
+    # computed with the prompt and never read from the prefix cache; None: not asked for.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -65,6 +68,8 @@ class SamplingParams:
             raise ValueError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
             raise ValueError("min_p must be in [0, 1]")
         if any(t < 0 for t in self.allowed_token_ids):

@@ -27,6 +27,7 @@ def params_from_pb(p: wpb.SamplingParams) -> SamplingParams:
         min_p=float(p.min_p),
         allowed_token_ids=tuple(int(t) for t in p.allowed_token_ids),
         bad_words=tuple(tuple(int(t) for t in seq.token_ids) for seq in p.bad_words),
+        prompt_logprobs=int(p.prompt_logprobs) if p.HasField("prompt_logprobs") else None,
     )
 
 
@@ -53,6 +54,8 @@ def params_to_pb(p: SamplingParams) -> wpb.SamplingParams:
         msg.grammar.kind, msg.grammar.source = p.grammar
     if p.seed is not None:
         msg.seed = p.seed
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
     return msg
 
 

@@ -89,7 +89,10 @@ class Admission:
         prompt's longest cached prefix (shared, read only), then fresh pages, into which alone
         prefill writes. Raises OutOfPages with nothing taken."""
         cache, alloc = self.worker.engine.prefix_cache, self.pool.allocator
-        hit = cache.acquire(job.token_ids, job.room) if cache is not None else []
+        # a colocated job asking for prompt logprobs computes its whole prompt (their logits are
+        # not cached: services/engine/prompt_logprobs.py); with a prefill worker prefill computes them
+        reads_cache = cache is not None and not (job.colocated and job.params.prompt_logprobs is not None)
+        hit = cache.acquire(job.token_ids, job.room) if reads_cache else []
         try:
             fresh = alloc.alloc(self.pool.pages_for_tokens(len(job.token_ids) + 1) - len(hit), owner=job.room)
         except OutOfPages:
@@ -97,7 +100,7 @@ class Admission:
             raise
         job.pages = hit + fresh
         job.cached_tokens = len(hit) * self.pool.page_size
-        if cache is not None:
+        if reads_cache:
             count_lookup(self.worker.metrics, cache, len(job.token_ids), job.cached_tokens)
 
     async def _attach(self, job: Job) -> None:

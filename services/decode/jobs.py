@@ -23,8 +23,12 @@ import asyncio
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from services.common.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # a type only: jobs stay free of torch
+    from services.common.prompt_logprobs import PromptLogprobs
 
 
 class Phase(enum.IntEnum):
@@ -112,6 +116,9 @@ class Job:
     usage_cached_tokens: int = 0
     last_token_at: float | None = None
     canary: bool = False  # the router's canary: served as any job, left out of the request metrics
+    # colocated with params.prompt_logprobs: what its local prefill chunks computed (the first
+    # chunk with tokens carries them)
+    prompt_lp: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:

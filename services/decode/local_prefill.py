@@ -10,7 +10,8 @@ last chunk ran samples its first token here at position len(prompt), exactly as 
 would (sampling is keyed by (seed, position)), and joins the batch through `worker.emit`.
 
 Same runner, sampler, pages and finish path as the disaggregated path: only the source of the
-prompt's KV and first token differs. The pure part (`pick_chunks`) has no torch.
+prompt's KV and first token differs. A job asking for prompt logprobs reduces each of its chunks' rows in the same forward
+(services/engine/prompt_logprobs.py). The pure part (`pick_chunks`) has no torch.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from services.decode.jobs import Job, Phase
+from services.engine.prompt_logprobs import chunk_targets, reduce_chunk
 from services.engine.runner import PrefillItem
 
 
@@ -42,13 +44,20 @@ async def run_chunks(scheduler, batch: list[tuple[Job, int]]) -> None:
     positions = [len(batch[i][0].token_ids) for i in finals]
     histories = [(batch[i][0].token_ids, ()) for i in finals]  # for penalties / logit_bias / min_tokens / grammar
     rooms = [batch[i][0].room for i in finals]
+    # prompt logprobs: each chunk's rows reduced at once, so only one chunk's logits exist
+    prompt_rows = [(i, chunk_targets(j.token_ids, j.prefilled, n), j.params.prompt_logprobs)
+                   for i, (j, n) in enumerate(batch) if j.params.prompt_logprobs is not None]
 
     def forward():
-        logits = engine.runner.prefill(items)
-        return engine.sampler.sample_full(logits[finals], params, positions, histories, rooms) if finals else ([], [], [])
+        logits, full = engine.runner.prefill_rows(items, [i for i, _, _ in prompt_rows])
+        prompt = {i: reduce_chunk(full.pop(i), targets, k) for i, targets, k in prompt_rows}
+        sampled = (engine.sampler.sample_full(logits[finals], params, positions, histories, rooms) if finals
+                   else ([], [], []))
+        return sampled, prompt
 
     result = await scheduler._forward([j for j, _ in batch], forward)
-    sampled = {} if isinstance(result, Exception) else dict(zip(finals, zip(*result, strict=True), strict=True))
+    prompt = {} if isinstance(result, Exception) else result[1]
+    sampled = {} if isinstance(result, Exception) else dict(zip(finals, zip(*result[0], strict=True), strict=True))
     overruns = scheduler.grammar_overruns()
     for i, (job, n) in enumerate(batch):
         if job.finished:  # aborted or evicted mid-forward: its release waited for the forward
@@ -59,6 +68,11 @@ async def run_chunks(scheduler, batch: list[tuple[Job, int]]) -> None:
             worker.fail(job, f"local prefill failed: {type(result).__name__}: {result}", "INTERNAL")
         else:
             job.prefilled += n
+            if i in prompt:
+                if job.prompt_lp is None:
+                    job.prompt_lp = prompt[i]
+                else:
+                    job.prompt_lp.extend(prompt[i])
             if i in sampled:
                 job.phase = Phase.RUNNING
                 worker.emit(job, *sampled[i])

@@ -21,6 +21,7 @@ from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.lane_server import LaneServicerMixin, refusing
 from services.common.logging_setup import bound_room, get_logger
 from services.common.mesh_protocol import MIN_PEER_VERSION, PROTOCOL_VERSION, incompatibility
+from services.common.prompt_logprobs import to_pb
 from services.common.wire import parse_request, top_logprobs_pb
 from services.decode.jobs import coalesce
 from services.decode.worker import DecodeFailed, DecodeWorker
@@ -81,7 +82,7 @@ class DecodeServicer(LaneServicerMixin, wpb_grpc.DecodeServicer):
                         await context.abort(getattr(grpc.StatusCode, item.code), f"room {room}: {item.reason}")
                     # tokens produced while the previous chunk was being written go out together
                     item, held = coalesce(item, job.out)
-                    yield wpb.DecodeChunk(
+                    chunk = wpb.DecodeChunk(
                         token_ids=item.token_ids,
                         logprobs=item.logprobs,
                         finish_reason=item.finish_reason,
@@ -90,6 +91,10 @@ class DecodeServicer(LaneServicerMixin, wpb_grpc.DecodeServicer):
                         cached_tokens=job.usage_cached_tokens,
                         top_logprobs=top_logprobs_pb(item.top_logprobs),
                     )
+                    if job.prompt_lp is not None:  # colocated: the first chunk carries them, once
+                        to_pb(job.prompt_lp, chunk.prompt_logprobs)
+                        job.prompt_lp = None
+                    yield chunk
                     if item.finish_reason:
                         done = True
                         log.info("decode done", finish_reason=item.finish_reason, tokens=item.completion_tokens)

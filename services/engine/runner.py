@@ -6,6 +6,7 @@ positions and hand them in. It only turns them into index tensors and runs the m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,14 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, items: list[PrefillItem]) -> torch.Tensor:
         """Run one chunk per item; returns float32 logits of each item's last token: [N, vocab]."""
+        return self.prefill_rows(items)[0]
+
+    @torch.inference_mode()
+    def prefill_rows(self, items: list[PrefillItem], every_row: Sequence[int] = ()
+                     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """prefill(), plus the logits of every row of the items indexed by `every_row` (prompt
+        logprobs): ({index: [len(chunk), vocab]}). At most one chunk's rows per item: the chunk
+        budget bounds what is materialized."""
         ids, positions, w_page, w_off, spans, last_rows = [], [], [], [], [], []
         row = 0
         for item in items:
@@ -85,7 +94,14 @@ class ModelRunner:
             fresh_batches=[self._fresh_batch(g) for g in group_fresh_spans(spans, self.max_padded_length_ratio)],
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        return self.model(input_ids, meta, self.pool, torch.tensor(last_rows, device=self.device))
+        rows = list(last_rows)
+        full: dict[int, tuple[int, int]] = {}  # item -> (its first row among `rows`, its length)
+        for i in every_row:
+            n = len(items[i].token_ids)
+            full[i] = (len(rows), n)
+            rows.extend(range(last_rows[i] - n + 1, last_rows[i] + 1))
+        logits = self.model(input_ids, meta, self.pool, torch.tensor(rows, device=self.device))
+        return logits[: len(items)], {i: logits[at : at + n] for i, (at, n) in full.items()}
 
     def _fresh_batch(self, group: list[PrefillSeqSpan]) -> FreshBatch:
         longest = max(s.num_tokens for s in group)

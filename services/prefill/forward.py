@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.sampling_params import SamplingParams
+from services.engine.prompt_logprobs import PromptLogprobs, reduce_chunk
 from services.engine.runner import PrefillItem
 from services.engine.sampler import History, TopLogprobs
 from services.engine.worker_engine import WorkerEngine
@@ -35,17 +36,31 @@ class Sample:
     histories: list[History]
 
 
+@dataclass
+class PromptRows:
+    """An item whose chunk reports prompt logprobs: the prompt tokens its rows predict, and k."""
+
+    item: int
+    targets: list[int]
+    k: int
+
+
 def run_batch(
     engine: WorkerEngine, items: list[PrefillItem], finals: list[int], copies: list[Copy], sample: Sample,
-    keep: list[int],
-) -> tuple[list[int], list[float], list[TopLogprobs | None], dict[int, torch.Tensor]]:
+    keep: list[int], prompt_rows: list[PromptRows] = (),
+) -> tuple[list[int], list[float], list[TopLogprobs | None], dict[int, torch.Tensor], dict[int, PromptLogprobs]]:
     """Runs on the engine thread. Returns the sampled (tokens, logprobs, top_logprobs) — the
-    finals' then the copies' — and the logits rows of `keep` (indices among `finals`: leaders whose followers
-    may arrive later)."""
+    finals' then the copies' — the logits rows of `keep` (indices among `finals`: leaders whose followers
+    may arrive later), and the prompt logprobs of `prompt_rows`' items (by item index): each
+    chunk's rows are reduced at once, so at most one chunk's [rows, vocab] logits exist."""
     rows = []
     final_logits = None
+    prompt: dict[int, PromptLogprobs] = {}
     if items:
-        logits = engine.runner.prefill(items)
+        logits, full = engine.runner.prefill_rows(items, [p.item for p in prompt_rows])
+        for p in prompt_rows:
+            prompt[p.item] = reduce_chunk(full.pop(p.item), p.targets, p.k)
+        del full
         final_logits = logits[finals]
         rows.append(final_logits)
     if copies:
@@ -55,8 +70,8 @@ def run_batch(
         rows.append(torch.stack(picked))
     kept = {i: final_logits[i].clone() for i in keep} if final_logits is not None else {}
     if not sample.params:
-        return [], [], [], kept
+        return [], [], [], kept, prompt
     # one token per request here: a grammar's matcher is built from the ids, not cached
     tokens, logprobs, tops = engine.sampler.sample_full(torch.cat(rows), sample.params, sample.positions,
                                                         sample.histories)
-    return tokens, logprobs, tops, kept
+    return tokens, logprobs, tops, kept, prompt

@@ -18,8 +18,12 @@ import asyncio
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from services.common.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # a type only: jobs stay free of torch
+    from services.common.prompt_logprobs import PromptLogprobs
 
 
 class Phase(enum.IntEnum):
@@ -48,6 +52,7 @@ class PrefillResult:
     kv_transfer_seconds: float
     first_top: list[tuple[int, float]] | None = None  # top_logprobs alternatives of the first token
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not computed)
+    prompt_logprobs: PromptLogprobs | None = None  # when params.prompt_logprobs is set
 
 
 @dataclass(eq=False)
@@ -68,6 +73,8 @@ class Job:
     first_top: list[tuple[int, float]] | None = None  # top_logprobs alternatives of the first token
     share_key: int = 0  # n > 1: jobs of one key compute their common prompt once (sharing.py)
     canary: bool = False  # the router's canary: served as any job, left out of the request metrics
+    # params.prompt_logprobs set: what its chunks computed so far (a follower: its leader's)
+    prompt_lp: PromptLogprobs | None = None
     # a leader's last-position logits (an engine tensor) once its prompt is computed, kept until
     # it ends so that followers of its key can sample their first token from them
     last_logits: object | None = None

@@ -11,6 +11,7 @@ from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.lane_server import LaneServicerMixin, refusing
 from services.common.logging_setup import bound_room, get_logger
 from services.common.mesh_protocol import MIN_PEER_VERSION, PROTOCOL_VERSION, incompatibility
+from services.common.prompt_logprobs import to_pb
 from services.common.wire import parse_request, top_logprobs_pb
 from services.prefill.worker import PrefillWorker, RoomFailed
 from services.transfer.state import DuplicateRoom
@@ -52,7 +53,7 @@ class PrefillServicer(LaneServicerMixin, wpb_grpc.PrefillServicer):
                 log.info("prefill failed", reason=e.reason, code=e.code)
                 await context.abort(getattr(grpc.StatusCode, e.code), f"room {room}: {e.reason}")
             log.info("prefill done", kv_bytes=result.kv_bytes, kv_seconds=round(result.kv_transfer_seconds, 6))
-            return wpb.PrefillReply(
+            reply = wpb.PrefillReply(
                 room=room,
                 first_token=result.first_token,
                 first_logprob=result.first_logprob,
@@ -62,6 +63,9 @@ class PrefillServicer(LaneServicerMixin, wpb_grpc.PrefillServicer):
                 first_top_logprobs=top_logprobs_pb([result.first_top])[0] if result.first_top else None,
                 cached_tokens=result.cached_tokens,
             )
+            if result.prompt_logprobs is not None:
+                to_pb(result.prompt_logprobs, reply.prompt_logprobs)
+            return reply
 
     async def Abort(self, request, context):
         with bound_room(request.room):

@@ -20,8 +20,8 @@ a later job of the key with identical token ids is a **follower**, and the sched
            still owns and releases its own pages exactly once; the leader's release waits for
            a forward that copies from its pages (PrefillWorker pins it).
 
-A job of the key whose token ids differ from the leader's (not something the router sends)
-computes alone. Once the leader has ended, later arrivals compute and the first one leads anew.
+A job of the key whose token ids or prompt_logprobs differ from the leader's (not something the
+router sends) computes alone. A follower takes its leader's prompt logprobs with its KV. Once the leader has ended, later arrivals compute and the first one leads anew.
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ class ShareGroups:
         leader = self._leaders.get(job.share_key)
         if leader is None or leader is job or leader.token_ids != job.token_ids:
             return Plan.COMPUTE, None
+        if leader.params.prompt_logprobs != job.params.prompt_logprobs:
+            return Plan.COMPUTE, None  # a copy takes the leader's prompt logprobs: only the same ones
         if leader.kv_ready or leader in final_in_batch:
             return Plan.COPY, leader
         return Plan.WAIT, leader

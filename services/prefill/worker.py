@@ -39,10 +39,11 @@ from services.common.metrics import Metrics
 from services.common.sampling_params import SamplingParams
 from services.engine.page_allocator import OutOfPages
 from services.engine.prefix_cache_metrics import count_lookup, watch_prefix_cache
+from services.engine.prompt_logprobs import chunk_targets
 from services.engine.runner import PrefillItem
 from services.engine.sampler import TopLogprobs
 from services.engine.worker_engine import WorkerEngine
-from services.prefill.forward import Copy, Sample, run_batch
+from services.prefill.forward import Copy, PromptRows, Sample, run_batch
 from services.prefill.jobs import Job, Phase, PrefillResult, RoomFailed
 from services.prefill.sharing import Plan, ShareGroups
 from services.transfer.sender import KVSender, SenderRoom
@@ -191,7 +192,7 @@ class PrefillWorker:
             seconds = (r.done_at or time.monotonic()) - (r.posted_at or time.monotonic())
             self.metrics.transferred(seconds, r.nbytes)
             self.finish(job, PrefillResult(job.first_token, job.first_logprob, len(job.token_ids), r.nbytes, seconds,
-                                           job.first_top, job.cached_tokens))
+                                           job.first_top, job.cached_tokens, job.prompt_lp))
         else:
             self.finish(job, RoomFailed(reason or "failed"))
 
@@ -210,7 +211,9 @@ class PrefillWorker:
                 break
             if job.pages is None:
                 try:
-                    self._take_pages(job, use_cache=plan is Plan.COMPUTE)
+                    # prompt logprobs need every prompt position's logits: such a job does not read
+                    # the cache (services/engine/prompt_logprobs.py)
+                    self._take_pages(job, use_cache=plan is Plan.COMPUTE and job.params.prompt_logprobs is None)
                 except OutOfPages:
                     break  # later arrivals wait too: the oldest gets the pages that come back
             if plan is Plan.COPY:
@@ -226,11 +229,13 @@ class PrefillWorker:
 
     def _take_pages(self, job: Job, use_cache: bool) -> None:
         """The job's pages: its prompt's longest cached prefix (shared), then fresh ones for the
-        rest. Raises OutOfPages with nothing taken. A follower copying its leader skips the cache."""
+        rest. Raises OutOfPages with nothing taken. A follower copying its leader skips the cache;
+        a job asking for prompt logprobs does not read it but still inserts what it computed."""
         pool, cache = self.engine.pool, self.engine.prefix_cache
         hit = []
-        if cache is not None and use_cache:
+        if cache is not None:
             job.cache_keys = cache.keys(job.token_ids)  # once: every chunk's insert reuses them
+        if cache is not None and use_cache:
             hit = cache.acquire(job.token_ids, job.room, keys=job.cache_keys)
         try:
             fresh = pool.allocator.alloc(pool.pages_for_tokens(len(job.token_ids)) - len(hit), owner=job.room)
@@ -274,6 +279,9 @@ class PrefillWorker:
         sample = Sample([j.params for j in samplers], [len(j.token_ids) for j in samplers],
                         [(j.token_ids, ()) for j in samplers])
         keep = [k for k, j in enumerate(final_jobs) if self.shares.leader_of(j) is j]
+        prompt_rows = [PromptRows(i, chunk_targets(j.token_ids, j.prefilled, n), j.params.prompt_logprobs)
+                       for i, (j, n) in enumerate(batch) if j.params.prompt_logprobs is not None]
+        leader_of = dict(copies)
         engine = self.engine
 
         self._forward = [j for j, _ in batch] + [f for f, _ in copies]
@@ -286,10 +294,12 @@ class PrefillWorker:
             j.phase = Phase.FORWARD
         error: Exception | None = None
         try:
-            tokens, logprobs, tops, kept = await engine.run(run_batch, engine, items, finals, copy_items, sample, keep)
+            tokens, logprobs, tops, kept, prompt = await engine.run(run_batch, engine, items, finals, copy_items,
+                                                                    sample, keep, prompt_rows)
         except Exception as e:  # noqa: BLE001 - a failed forward fails its rooms, not the worker
             log.exception("prefill forward failed", rooms=[j.room for j in self._forward])
-            error, tokens, logprobs, tops, kept = e, [], [], [], {}
+            error, tokens, logprobs, tops, kept, prompt = e, [], [], [], {}, {}
+        prompt_of = {batch[i][0]: lp for i, lp in prompt.items()}
         done, pinned = self._forward, self._pinned
         self._forward, self._pinned = [], []
         sampled = dict(zip(samplers, zip(tokens, logprobs, tops, strict=True), strict=False))
@@ -305,7 +315,20 @@ class PrefillWorker:
             elif self._state(job) != RoomState.WAITING_FOR_INPUT:  # transfer layer ended it; its callback finishes it
                 job.phase = Phase.QUEUED
             else:
+                if job.params.prompt_logprobs is not None:
+                    self._gather_prompt_logprobs(job, prompt_of.get(job), leader_of.get(job))
                 self._advance(job, chunk_of.get(job), sampled.get(job), kept.get(final_at.get(job, -1)))
+
+    @staticmethod
+    def _gather_prompt_logprobs(job: Job, computed, leader: Job | None) -> None:
+        """A chunk adds its positions' prompt logprobs; a copy takes its leader's (complete, as
+        its KV is: the batch's chunks are gathered before its copies)."""
+        if leader is not None:
+            job.prompt_lp = leader.prompt_lp
+        elif job.prompt_lp is None:
+            job.prompt_lp = computed
+        else:
+            job.prompt_lp.extend(computed)
 
     def _advance(self, job: Job, chunk: int | None, first: tuple[int, float, TopLogprobs | None] | None,
                  logits) -> None:
@@ -324,6 +347,10 @@ class PrefillWorker:
                                                 job.cache_keys)
         if first is None:
             job.phase = Phase.QUEUED
+            return
+        if job.params.prompt_logprobs is not None and len(job.prompt_lp or ()) != len(job.token_ids) - 1:
+            # a copy whose leader ended inside the forward that held its final chunk: fail over
+            self.finish(job, RoomFailed("prompt logprobs incomplete (the shared prompt's leader ended)"))
             return
         if logits is not None:
             job.last_logits = logits  # later followers of its key copy its KV and sample from these

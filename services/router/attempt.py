@@ -32,6 +32,7 @@ import grpc
 
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.logging_setup import get_logger
+from services.common.prompt_logprobs import PromptLogprobs, from_pb
 from services.router.pool import Worker, WorkerPool
 
 log = get_logger("router.attempt")
@@ -47,6 +48,7 @@ class Chunk:
     # per token, the top_logprobs alternatives [(id, logprob)], most likely first; None: not asked for
     top: list[list[tuple[int, float]]] | None = None
     cached_tokens: int = 0  # prompt tokens a worker found in its prefix cache (usage's cached_tokens)
+    prompt: PromptLogprobs | None = None  # on an attempt's first chunk, when prompt logprobs were asked for
 
 
 class WorkerFailure(Exception):
@@ -111,6 +113,7 @@ class Attempt:
         self.prefill, self.decode, self.room = prefill, decode, room
         self.deadline, self.stall_timeout = deadline, stall_timeout
         self.top_logprobs = params.top_logprobs
+        self.wants_prompt = params.HasField("prompt_logprobs")
         loop = asyncio.get_running_loop()
         timeout = max(0.001, deadline - loop.time())
         self._prefill_call = None if prefill is None else prefill.stub.Prefill(
@@ -175,9 +178,13 @@ class Attempt:
                 self._last_heard = loop.time()
                 if not msg.token_ids and not msg.finish_reason:
                     continue  # a keep-alive: decode holds the room and is alive
-                first, self.got_first = not self.got_first, True
+                first = not self.got_first
                 chunk = Chunk(list(msg.token_ids), list(msg.logprobs), msg.finish_reason,
                               cached_tokens=msg.cached_tokens)
+                if first and self.wants_prompt:
+                    # before got_first: without them the attempt fails over, nothing was sent yet
+                    chunk.prompt = await self._prompt_logprobs(msg)
+                self.got_first = True
                 if self.top_logprobs:
                     chunk.top = [list(zip(t.token_ids, t.logprobs, strict=True)) for t in msg.top_logprobs]
                     if first and len(chunk.top) < len(chunk.token_ids):
@@ -198,6 +205,27 @@ class Attempt:
                 # prefill replied; decode's first token is on its way (the stall clock still runs)
             if loop.time() >= stall_at:
                 raise WorkerFailure(self.decode, None, f"no chunk for {self.stall_timeout:g} s", kind="stalled")
+
+    async def _prompt_logprobs(self, msg: wpb.DecodeChunk) -> PromptLogprobs:
+        """The prompt's logprobs: colocated, on decode's first chunk; else in prefill's reply, which
+        follows the KV transfer decode just saw end. Waited for within the stall timeout (they
+        are part of the answer, unlike _first_top's best effort); a reply without them (a worker
+        of an older release, which ignores the field) fails the attempt."""
+        if self._prefill_call is None:
+            if not msg.HasField("prompt_logprobs"):
+                raise WorkerFailure(self.decode, None, "decode sent no prompt logprobs", kind="error")
+            return from_pb(msg.prompt_logprobs)
+        task = self._prefill_task
+        await asyncio.wait((task,), timeout=self.stall_timeout)
+        if not task.done():
+            raise WorkerFailure(self.prefill, None, f"no prefill reply for {self.stall_timeout:g} s", kind="stalled")
+        failure = self._prefill_failure()
+        if failure is not None:
+            raise failure
+        reply = task.result()
+        if not reply.HasField("prompt_logprobs"):
+            raise WorkerFailure(self.prefill, None, "prefill sent no prompt logprobs", kind="error")
+        return from_pb(reply.prompt_logprobs)
 
     async def _first_top(self) -> list[tuple[int, float]]:
         """The first token's alternatives: prefill sampled it and reports them in its reply, which

@@ -34,10 +34,11 @@ class Progress:
 
     def params(self, base: SamplingParams) -> SamplingParams:
         """The request's parameters for the next attempt: same seed, the tokens still owed, and
-        how many of its prompt ids were generated (penalties and min_tokens count those)."""
+        how many of its prompt ids were generated (penalties and min_tokens count those). A
+        continuation asks for no prompt logprobs: the first attempt's first chunk delivered them."""
         if base.max_tokens == self.remaining and base.num_generated == len(self.generated):
             return base  # a first attempt: nothing changes, and a copy (with its validation) costs
-        return replace(base, max_tokens=self.remaining, num_generated=len(self.generated))
+        return replace(base, max_tokens=self.remaining, num_generated=len(self.generated), prompt_logprobs=None)
 
 
 def migration_reason(failure) -> str:

@@ -92,6 +92,9 @@ class _Sampling(_Body):
     session_id: str | None = Field(None, pattern=r"^[!-~]{1,128}$", description="vLLM extension: logged")
     return_tokens_as_token_ids: bool | None = Field(None, description="vLLM extension: logprobs name tokens token_id:N")
     return_token_ids: bool | None = Field(None, description="vLLM extension: prompt and generated token ids")
+    prompt_logprobs: int | None = Field(None, ge=0, le=20,
+                                        description="vLLM extension: each prompt token's logprob and rank, and this "
+                                                    "many alternatives (not with stream)")
     user: str | None = Field(None, description="Informational")
     metadata: dict[str, Any] | None = Field(None, description="Informational")
     store: bool | None = Field(None, description="Informational: nothing is stored")
@@ -102,7 +105,10 @@ class CompletionRequest(_Sampling):
         description=f"A string or token ids, or a batch of up to {MAX_PROMPTS} of either (choice i x n + j)"
     )
     add_special_tokens: bool | None = Field(None, description="vLLM extension (default true: bos is added)")
-    logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: int | None = Field(None, ge=0, description="Tokens to generate (prompt + max_tokens ≤ context); "
+                                                           "0 only with echo: the prompt alone (vLLM's)")
+    logprobs: int | None = Field(None, ge=0, le=20,
+                                 description="With echo, the prompt's tokens lead the logprobs (the first's null)")
     echo: bool | None = None
     best_of: int | None = Field(None, description="Only equal to n is supported")
 

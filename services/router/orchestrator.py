@@ -85,6 +85,7 @@ def sampling_params(spec: GenerateSpec, eos_ids: Sequence[int]) -> SamplingParam
         min_p=spec.min_p,
         allowed_token_ids=spec.allowed_token_ids,
         bad_words=spec.bad_words,
+        prompt_logprobs=spec.worker_prompt_logprobs,
     )
 
 

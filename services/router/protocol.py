@@ -16,7 +16,12 @@ from typing import Any
 from services.common.tokenizer import Tokenizer
 from services.router.errors import bad_request, invalid_type, model_not_found
 from services.router.getters import get_bool, get_float, get_int, get_str, is_int, is_number
-from services.router.limits import DEFAULT_LIMITS, RequestLimits, check_request_size
+from services.router.limits import (
+    DEFAULT_LIMITS,
+    RequestLimits,
+    check_prompt_logprobs_size,
+    check_request_size,
+)
 from services.router.prompts import (
     Prompt,
     chat_prompt,
@@ -107,9 +112,25 @@ class GenerateSpec:
     session_id: str | None = None  # vLLM's session identity: logged
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name tokens "token_id:N"
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's generated ids in the response
+    # vLLM's prompt_logprobs: every prompt token's logprob, rank and this many alternatives (None: off)
+    prompt_logprobs: int | None = None
+    # completions' max_tokens 0 with echo (vLLM's): the reply is the prompt alone; the workers still
+    # sample one token (every room ends with one), which the reply leaves out
+    echo_only: bool = False
     # a batched completions request: one spec per prompt (each with its own prompt_ids, echo_text
     # and max_tokens); empty for a single prompt, whose spec is this one
     batch: tuple[GenerateSpec, ...] = ()
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """OpenAI's echo with logprobs on completions: the prompt's tokens lead the logprobs."""
+        return self.kind == "completion" and self.echo and self.logprobs is not None
+
+    @property
+    def worker_prompt_logprobs(self) -> int | None:
+        """The alternatives the workers compute per prompt position (None: no prompt logprobs)."""
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo_logprobs else None) if k is not None]
+        return max(wanted) if wanted else None
 
     def choice_seed(self, index: int) -> int:
         return (self.seed + index) & UINT64_MASK
@@ -346,9 +367,29 @@ def _common(body: dict, info: ModelInfo, kind: str) -> dict[str, Any]:
     kw["request_id"], kw["session_id"] = _ids_of_request(body)
     kw["tokens_as_ids"] = get_bool(body, "return_tokens_as_token_ids", False)
     kw["return_token_ids"] = get_bool(body, "return_token_ids", False)
+    kw["prompt_logprobs"] = _prompt_logprobs(body, kw["stream"])
     found = structured_output_field(body, kw["ignore_eos"], info.limits)
     kw["grammar"], kw["grammar_param"] = (found[1], found[0]) if found is not None else (None, "")
     return kw
+
+
+def _prompt_logprobs(body: dict, stream: bool) -> int | None:
+    """vLLM's prompt_logprobs: 0..MAX_LOGPROBS alternatives (vLLM's -1, the whole vocabulary, is
+    above this server's max). vLLM refuses them on a stream; so does this router."""
+    k = get_int(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)
+    if k is not None and stream:
+        raise bad_request("'prompt_logprobs' is not available when 'stream' is true.", param="prompt_logprobs",
+                          code="invalid_value")
+    return k
+
+
+def _echo_only(body: dict, echo: bool) -> dict:
+    """vLLM's max_tokens 0 with echo: the prompt alone. The body then asks the workers for one token
+    (dropped from the reply); without echo, 0 is refused as any max_tokens below 1."""
+    value = body.get("max_tokens")
+    if echo and is_int(value) and value == 0:
+        return {**body, "max_tokens": 1}
+    return body
 
 
 def _max_tokens(body: dict, names: tuple[str, ...], prompt_len: int, info: ModelInfo, default: int | None,
@@ -395,9 +436,9 @@ def parse_completion(body: Any, info: ModelInfo) -> GenerateSpec:
     kw = _common(body, info, "completion")
     logprobs = get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
     echo = get_bool(body, "echo", False)
-    if echo and logprobs is not None:
-        raise bad_request("'echo' together with 'logprobs' (the prompt's logprobs) is not supported yet.",
-                          param="echo", code="unsupported_value")
+    asked = body
+    body = _echo_only(body, echo)
+    kw["echo_only"] = body is not asked
     prompts = completion_prompts(body, info.tokenizer)
     if len(prompts) * kw["n"] > MAX_CHOICES:
         raise bad_request(f"prompts x n must be at most {MAX_CHOICES}, got {len(prompts)} x {kw['n']}.",
@@ -412,8 +453,10 @@ def parse_completion(body: Any, info: ModelInfo) -> GenerateSpec:
         # every prompt's n choices are calls on the workers' lanes, like the batch's other prompts
         check_request_size(kw["n"] * len(prompts), len(ids), kw["grammar"], "n" if kw["n"] > 1 else param,
                            info.limits)
-        specs.append(GenerateSpec(kind="completion", model=model, prompt_ids=ids, max_tokens=max_tokens,
-                                  logprobs=logprobs, echo=echo, echo_text=text if echo else "", **kw))
+        spec = GenerateSpec(kind="completion", model=model, prompt_ids=ids, max_tokens=max_tokens,
+                            logprobs=logprobs, echo=echo, echo_text=text if echo else "", **kw)
+        check_prompt_logprobs_size(len(ids), spec.worker_prompt_logprobs, param)
+        specs.append(spec)
     if len(specs) == 1:
         return specs[0]
     return replace(specs[0], batch=tuple(specs))
@@ -459,6 +502,7 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerateSpec:
                              info.defaults.get("max_tokens"), "messages")
     _check_min_tokens(kw, max_tokens)
     check_request_size(kw["n"], len(ids), kw["grammar"], "n" if kw["n"] > 1 else "messages", info.limits)
+    check_prompt_logprobs_size(len(ids), kw["prompt_logprobs"], "messages")
     echoed = echo_text(body, messages)
     return GenerateSpec(
         kind="chat",

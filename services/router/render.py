@@ -20,6 +20,7 @@ import math
 import time
 from typing import Any
 
+from services.common.prompt_logprobs import PromptLogprobs
 from services.common.tokenizer import Tokenizer
 from services.router.orchestrator import Chunk
 from services.router.output import OutputText, TokenStrings
@@ -27,8 +28,9 @@ from services.router.protocol import GenerateSpec
 from services.router.sse import sse_event
 from services.router.tool_parsers import ToolFormat, get_format
 
-# (token id, logprob, text offset, top_logprobs alternatives or None) of one generated token
-Entry = tuple[int, float, int, list[tuple[int, float]] | None]
+# (token id, logprob, text offset, top_logprobs alternatives or None) of one generated token, or
+# of a prompt token with echo + logprobs (the prompt's first token: logprob None, as OpenAI's null)
+Entry = tuple[int, float | None, int, list[tuple[int, float]] | None]
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 # A text that marks where delta_event's template takes the text: JSON escapes the control
 # characters, so the encoded slot cannot occur anywhere else in an event.
@@ -60,6 +62,7 @@ class ResponseState:
         prefix = "cmpl-" if spec.kind == "completion" else "chatcmpl-"
         self.id = prefix + request_id
         self.created = int(time.time())
+        self._tokenizer = tokenizer
         self.out = OutputText(tokenizer, spec.prompt_ids, spec.stop, spec.skip_special_tokens,
                               spec.include_stop_str_in_output)
         self.completion_tokens = 0
@@ -79,6 +82,8 @@ class ResponseState:
         self.token_ids: list[int] = []
         self._pending_ids: list[int] = []
         self._prompt_ids_sent = False
+        # the prompt's logprobs (prompt_logprobs, or echo with logprobs), from the first chunk
+        self.prompt_lp: PromptLogprobs | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -95,7 +100,14 @@ class ResponseState:
         n = len(chunk.token_ids)
         if self.cached_tokens is None and n:
             self.cached_tokens = min(chunk.cached_tokens, self.prompt_tokens)
-        for i, token in enumerate(chunk.token_ids):
+        if chunk.prompt is not None and self.prompt_lp is None:
+            self.prompt_lp = chunk.prompt
+        if self.spec.echo_only:
+            # max_tokens 0 with echo: the prompt alone; the workers' one token is left out
+            if n or chunk.finish_reason:
+                self.finish_reason = "length"
+            n = 0
+        for i, token in enumerate(chunk.token_ids[:n]):
             self.completion_tokens += 1
             if self.spec.return_token_ids:
                 self.token_ids.append(token)
@@ -111,12 +123,14 @@ class ResponseState:
             if self.out.stopped:
                 self.finish_reason = "stop"
                 break
-        if chunk.finish_reason and not self.out.stopped:
+        if chunk.finish_reason and not self.out.stopped and not self.spec.echo_only:
             texts.append(self.out.finish())
             self.finish_reason = chunk.finish_reason
         if self._echo_pending:
             texts.insert(0, self.spec.echo_text)
             self._echo_pending = False
+            if self.spec.echo_logprobs:
+                entries[:0] = self._prompt_entries()
         self.entries += entries
         text = "".join(texts)
         if self.tool_stream is not None:
@@ -137,7 +151,8 @@ class ResponseState:
         out = []
         for i, token in enumerate(chunk.token_ids):
             part = Chunk([token], chunk.logprobs[i : i + 1], chunk.finish_reason if i == n - 1 else "",
-                         chunk.top[i : i + 1] if chunk.top is not None else None, chunk.cached_tokens)
+                         chunk.top[i : i + 1] if chunk.top is not None else None, chunk.cached_tokens,
+                         chunk.prompt if i == 0 else None)
             out.append((*self.feed(part), self.finish_reason))
             if self.finished:
                 break
@@ -182,17 +197,40 @@ class ResponseState:
             return text, list(text.encode("ascii"))
         return self.token_strings.get(token_id)
 
+    def _prompt_entries(self) -> list[Entry]:
+        """echo + logprobs: the prompt's tokens as entries, ahead of the generated ones. The first
+        has no logprob (null, as OpenAI's). A token's offset is where its text starts in the
+        echoed prompt (detokenized incrementally, as the generated tokens' offsets are counted, so
+        offsets never decrease across the two); special tokens count when the echoed text holds
+        them (a prompt of token ids is echoed as their full decoding)."""
+        ids, lp, k = self.spec.prompt_ids, self.prompt_lp, self.spec.logprobs or 0
+        if lp is None or len(lp) != len(ids) - 1:
+            raise ValueError("the prompt's logprobs are missing or incomplete")
+        skip = self.spec.echo_text != self._tokenizer.decode(ids, skip_special_tokens=False)
+        walk = OutputText(self._tokenizer, [], (), skip)
+        out: list[Entry] = []
+        for i, token in enumerate(ids):
+            offset = walk.released_chars
+            walk.add(token)
+            out.append((token, None, offset, None) if i == 0 else
+                       (token, lp.logprobs[i - 1], offset, lp.top(i - 1, k) if k else None))
+        return out
+
     def _completion_logprobs(self, entries) -> dict[str, Any] | None:
         if self.spec.logprobs is None:
             return None
         tokens = [self._token(t)[0] for t, _, _, _ in entries]
-        lps = [_lp(lp) for _, lp, _, _ in entries]
+        lps = [None if lp is None else _lp(lp) for _, lp, _, _ in entries]
         tops = None
         if self.spec.logprobs > 0:
             # OpenAI's legacy shape: a dict per position, keyed by token text; the chosen token is
-            # always in it (vLLM's rule), even when it is not among the k most likely
+            # always in it (vLLM's rule), even when it is not among the k most likely; null for
+            # the echoed prompt's first token
             tops = []
             for (_, lp, _, top), text in zip(entries, tokens, strict=True):
+                if lp is None:
+                    tops.append(None)
+                    continue
                 alternatives = {self._token(t)[0]: _lp(v) for t, v in top or []}
                 alternatives.setdefault(text, _lp(lp))
                 tops.append(alternatives)
@@ -202,6 +240,26 @@ class ResponseState:
             "top_logprobs": tops,
             "text_offset": [o for _, _, o, _ in entries],
         }
+
+    def prompt_logprobs_json(self) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's prompt_logprobs: None for the first prompt token, then per token a dict keyed by
+        token id (a string in JSON) of {logprob, rank, decoded_token}: the prompt's own token, with
+        its rank, and the k most likely (ranks 1..k)."""
+        k = self.spec.prompt_logprobs
+        if k is None:
+            return None
+        lp, ids = self.prompt_lp, self.spec.prompt_ids
+        if lp is None or len(lp) != len(ids) - 1:
+            raise ValueError("the prompt's logprobs are missing or incomplete")
+        out: list[dict[str, dict[str, Any]] | None] = [None]
+        for i in range(len(lp)):
+            token = ids[i + 1]
+            entry = {str(token): {"logprob": _lp(lp.logprobs[i]), "rank": lp.ranks[i],
+                                  "decoded_token": self._token(token)[0]}}
+            for rank, (t, v) in enumerate(lp.top(i, k), start=1):
+                entry.setdefault(str(t), {"logprob": _lp(v), "rank": rank, "decoded_token": self._token(t)[0]})
+            out.append(entry)
+        return out
 
     def _chat_logprobs(self, entries) -> dict[str, Any] | None:
         if self.spec.logprobs is None:
@@ -266,6 +324,8 @@ class ResponseState:
             }
             if self.spec.return_token_ids:
                 out.update(prompt_token_ids=self.spec.prompt_ids, token_ids=self.token_ids)
+            if self.spec.prompt_logprobs is not None:
+                out["prompt_logprobs"] = self.prompt_logprobs_json()  # vLLM's: per choice on completions
             return out
         message, finish_reason = self._message()
         out = {
@@ -308,6 +368,9 @@ class ResponseState:
             "usage": self.usage(states),
             **({"prompt_token_ids": self.spec.prompt_ids}
                if self.spec.return_token_ids and self.spec.kind == "chat" else {}),
+            # vLLM's chat reply carries the prompt's logprobs once, beside the choices
+            **({"prompt_logprobs": self.prompt_logprobs_json()}
+               if self.spec.prompt_logprobs is not None and self.spec.kind == "chat" else {}),
         }
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:

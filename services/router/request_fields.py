@@ -35,7 +35,6 @@ REFUSED: dict[str, Refused] = {
     "watermarking": Refused("watermarking is not supported", (None, False)),
     "spaces_between_special_tokens": Refused(
         "only the tokenizer's own decoding (spaces_between_special_tokens true) is supported", (None, True)),
-    "prompt_logprobs": Refused("prompt logprobs are not supported yet"),
     "logprob_token_ids": Refused("logprobs of chosen token ids are not supported"),
     "prompt_embeds": Refused("prompt embeddings are not supported", kinds=frozenset({COMPLETION})),
     "media_io_kwargs": Refused("this model takes text only", kinds=frozenset({CHAT})),

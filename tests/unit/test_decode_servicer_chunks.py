@@ -32,7 +32,7 @@ class QueuedWorker:
         out: asyncio.Queue = asyncio.Queue()
         for item in self.items:
             out.put_nowait(item)
-        self.job = SimpleNamespace(out=out, usage_cached_tokens=0)
+        self.job = SimpleNamespace(out=out, usage_cached_tokens=0, prompt_lp=None)
         return self.job
 
     def is_computing(self, job) -> bool:

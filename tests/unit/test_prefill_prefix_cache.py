@@ -160,3 +160,21 @@ def test_a_job_that_cannot_get_its_pages_takes_no_shared_page_either(worker, eng
         worker.abort(2, "test over")
 
     asyncio.run(go())
+
+
+def test_a_job_asking_for_prompt_logprobs_does_not_read_the_cache(worker, engine):
+    w, ids = worker, list(range(40, 90))
+
+    async def go():
+        first = w.submit(1, ids, SamplingParams())
+        await w._run_batch(*w._pick_batch())
+        w.finish(first, PrefillResult(0, 0.0, len(ids), 0, 0.0))
+        assert engine.prefix_cache.match(ids)  # its full pages are cached
+        asking = w.submit(2, ids, SamplingParams(prompt_logprobs=1))
+        await w._run_batch(*w._pick_batch())
+        # recomputed: every prompt token went through the forward and has its logprob
+        assert asking.cached_tokens == 0 and len(asking.prompt_lp) == len(ids) - 1
+        assert counter(w, "prompt_tokens") == 2 * len(ids)
+        w.finish(asking, PrefillResult(0, 0.0, len(ids), 0, 0.0))
+
+    asyncio.run(go())

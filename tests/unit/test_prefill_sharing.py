@@ -251,3 +251,37 @@ def test_a_follower_aborted_while_waiting_leaves_the_rest_untouched(engine):
         assert [f.room for f, _ in copies] == [3] and counter(w, "prompt_tokens") == len(PROMPT)
 
     asyncio.run(go())
+
+
+# --- prompt logprobs ---------------------------------------------------------------------------
+def whole_prompt_logprobs(engine, ids, k):
+    from services.engine.prompt_logprobs import reduce_chunk
+
+    _, full = engine.runner.prefill_rows([PrefillItem(ids, 0, list(range(60, 63)))], [0])  # pages no job holds
+    return reduce_chunk(full[0], ids[1:], k)
+
+
+def test_a_chunked_leader_gathers_prompt_logprobs_and_its_followers_take_them(engine):
+    async def go():
+        w = make_worker(engine, budget=16)  # 40 tokens: three chunks
+        jobs = [w.submit(r, list(PROMPT), SamplingParams(seed=r, prompt_logprobs=2), 9) for r in (1, 2)]
+        for _ in range(3):
+            await one_pass(w)
+        assert all(j.phase is Phase.INFLIGHT for j in jobs)
+        return jobs
+
+    jobs = asyncio.run(go())
+    want = whole_prompt_logprobs(engine, PROMPT, 2)
+    for j in jobs:
+        got = j.prompt_lp
+        assert len(got) == len(PROMPT) - 1 and got.ranks == want.ranks and got.top_ids == want.top_ids
+        assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs, strict=True)) < 1e-5
+
+
+def test_a_follower_asking_other_prompt_logprobs_computes_alone():
+    g = ShareGroups()
+    a, b = job(1), job(2)
+    b.params = SamplingParams(prompt_logprobs=0)
+    g.lead(a)
+    a.pages, a.prefilled, a.last_logits = [0], 40, object()
+    assert g.plan(b) == (Plan.COMPUTE, None)

@@ -156,7 +156,12 @@ def test_echo():
         ({"min_tokens": -1}, "min_tokens"),
         ({"min_tokens": 17}, "min_tokens"),  # more than max_tokens (16)
         ({"suffix": "abc"}, "suffix"),
-        ({"echo": True, "logprobs": 1}, "echo"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),  # vLLM's "whole vocabulary" is above the max
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt_logprobs": "2"}, "prompt_logprobs"),
+        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # vLLM refuses them on a stream
+        ({"max_tokens": 0}, "max_tokens"),  # 0 only with echo
+        ({"max_tokens": 0, "echo": False}, "max_tokens"),
         ({"ignore_eos": 1}, "ignore_eos"),
     ],
 )
@@ -221,3 +226,35 @@ def test_sampling_controls_are_parsed():
     assert spec.logit_bias == ((65, 10.0), (66, -100.0))
     assert spec.min_tokens == 4
     assert [spec.choice_seed(i) for i in range(3)] == [7, 8, 9]
+
+
+def test_echo_with_logprobs_asks_the_workers_for_prompt_logprobs():
+    spec = completion(echo=True, logprobs=1, max_tokens=1)
+    assert spec.echo_logprobs and spec.worker_prompt_logprobs == 1 and not spec.echo_only
+    # prompt_logprobs and echo logprobs together: the workers compute the larger k once
+    assert completion(echo=True, logprobs=1, prompt_logprobs=3).worker_prompt_logprobs == 3
+    assert completion(prompt_logprobs=0).worker_prompt_logprobs == 0
+    assert completion(logprobs=2).worker_prompt_logprobs is None  # no echo: generated tokens only
+    assert completion(echo=True).worker_prompt_logprobs is None
+
+
+def test_max_tokens_zero_with_echo_is_the_prompt_alone():
+    spec = completion(echo=True, logprobs=1, max_tokens=0)
+    assert spec.echo_only and spec.max_tokens == 1  # the workers sample one token, left out of the reply
+    batch = completion(prompt=["ab", "cd"], echo=True, logprobs=0, max_tokens=0)
+    assert all(p.echo_only and p.worker_prompt_logprobs == 0 for p in batch.prompts)
+
+
+def test_chat_prompt_logprobs():
+    assert chat(prompt_logprobs=2).prompt_logprobs == 2
+    rejects(chat, param="prompt_logprobs", prompt_logprobs=21)
+    rejects(chat, param="prompt_logprobs", prompt_logprobs=1, stream=True)
+
+
+def test_prompt_logprobs_reply_must_fit_one_message():
+    from services.router.limits import check_prompt_logprobs_size
+
+    check_prompt_logprobs_size(100_000, 20, "prompt")  # ~31 MB
+    with pytest.raises(APIError) as err:
+        check_prompt_logprobs_size(400_000, 20, "prompt")
+    assert err.value.status == 400 and err.value.code == "request_too_large"

@@ -97,6 +97,7 @@ SHARED_EFFECTS = {
     "request_id": ({}, "abc", lambda s: s.request_id),
     "return_tokens_as_token_ids": ({}, True, lambda s: s.tokens_as_ids),
     "return_token_ids": ({}, True, lambda s: s.return_token_ids),
+    "prompt_logprobs": ({}, 2, lambda s: _wire(s).prompt_logprobs),
 }
 CHAT_EFFECTS = {
     **SHARED_EFFECTS,
@@ -131,7 +132,7 @@ COMPLETION_EFFECTS = {
 # a refused field's value that asks for what is not supported
 REFUSED_VALUES = {
     "use_beam_search": True, "length_penalty": 0.5, "watermarking": True, "spaces_between_special_tokens": False,
-    "prompt_logprobs": 1, "logprob_token_ids": [1], "prompt_embeds": "AAAA", "media_io_kwargs": {"image": {}},
+    "logprob_token_ids": [1], "prompt_embeds": "AAAA", "media_io_kwargs": {"image": {}},
     "mm_processor_kwargs": {"a": 1}, "priority": 1,
     "return_token_offsets": True, "return_prompt_text": True, "return_mm_kwargs": False,
     "routed_experts_prompt_start": 1, "cache_salt": "salt", "kv_transfer_params": {"a": 1},

@@ -155,7 +155,7 @@ ROUTER_FLAGS = [
          "worker selection policy; cache_aware: the worker holding the longest prefix of the request "
          "unless load is imbalanced (docs/router.md \"Cache-aware routing\"), else least loaded",
          choices=("cache_aware", "round_robin", "least_loaded", "power_of_two")),
-    Flag("cache-threshold", float, 0.5,
+    Flag("cache-threshold", float, 0.3,
          "cache_aware: the fraction of a prompt's tokens a worker must hold (as far as the router knows) "
          "for the prefix to decide where the request goes; below it the least loaded worker gets it"),
     Flag("balance-abs-threshold", int, 32,

@@ -86,7 +86,7 @@ class PowerOfTwo(Policy):
 
 @dataclass(frozen=True)
 class CacheThresholds:
-    cache: float = 0.5  # matched fraction of the prompt at which the cache decides (--cache-threshold)
+    cache: float = 0.3  # matched fraction of the prompt at which the cache decides (--cache-threshold)
     balance_abs: int = 32  # load gap beyond which balance decides... (--balance-abs-threshold)
     balance_rel: float = 1.5  # ...when the busiest also carries this many times the idlest's load (--balance-rel-threshold)
 

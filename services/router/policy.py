@@ -12,7 +12,7 @@ from the router's index, services/router/prefix_index.py). The routing rule:
 1. If the load is imbalanced — the busiest candidate's load exceeds the idlest's by more than
    `balance_abs` AND is more than `balance_rel` times it — the least loaded candidate wins: a
    hot conversation must not pin one worker while the others idle.
-2. Otherwise, if the best-matching candidate holds at least `cache_threshold` of the prompt's
+2. Otherwise, if the best-matching candidate holds at least `cache` (the threshold) of the prompt's
    tokens, it wins (the least loaded among equal matches).
 3. Otherwise (no worthwhile match: a new conversation) the least loaded wins, ties round-robin,
    which spreads new conversations evenly.
@@ -112,7 +112,9 @@ class CacheAware(Policy):
         return hi - lo > self.thresholds.balance_abs and hi > lo * self.thresholds.balance_rel
 
     def choose(self, candidates, load, prefix=None):
-        if prefix is None or prefix.total <= 0 or len(candidates) == 1:
+        if len(candidates) == 1:
+            return candidates[0]  # without moving the tie cursor that spreads new conversations
+        if prefix is None or prefix.total <= 0:
             return self._least_loaded.choose(candidates, load)
         loads = [load(c) for c in candidates]
         if self.imbalanced(loads):

@@ -147,7 +147,7 @@ class WorkerPool:
         shared: SharedState | None = None,
         pair_hold: float = 30.0,
         cache_thresholds: CacheThresholds | None = None,
-        prefix_index_max_pages: int = 1 << 18,
+        prefix_index_max_pages: int = 65536,
     ):
         self.pairs = PairHealth(hold=pair_hold)  # (prefill, decode) pairs whose KV path failed
         self.shared = shared  # the router's other processes (--processes > 1), read every SHARE_INTERVAL

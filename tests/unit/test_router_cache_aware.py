@@ -141,3 +141,14 @@ def test_the_index_cap_holds_per_worker():
     pool.decodes[0].capacity_tokens = 2 * P  # its KV pool holds 2 pages
     route(pool, conversation(40, 2))
     assert pool.index.pages(pool.decodes[0]) == 2
+
+
+def test_reset_prefix_cache_empties_the_router_index_too():
+    from services.router.cache_reset import reset_prefix_caches
+
+    pool = pool_of(1, 2)
+    route(pool, conversation(20, 1))
+    route(pool, conversation(20, 2))
+    answer = asyncio.run(reset_prefix_caches(pool))  # these workers have no channel: none is asked
+    assert answer["router_index_pages_dropped"] == 20  # 5 pages each: twice on the prefill, once per decode
+    assert all(pool.index.pages(w) == 0 for w in pool.workers)

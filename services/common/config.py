@@ -151,8 +151,21 @@ ROUTER_FLAGS = [
          "set them (vLLM's rule); vllm: none; or a folder holding a generation_config.json"),
     Flag("prefill", str, [], "prefill worker host:port (repeatable)", repeatable=True),
     Flag("decode", str, [], "decode worker host:port (repeatable)", repeatable=True),
-    Flag("policy", str, "round_robin", "worker selection policy",
-         choices=("round_robin", "least_loaded", "power_of_two")),
+    Flag("policy", str, "cache_aware",
+         "worker selection policy; cache_aware: the worker holding the longest prefix of the request "
+         "unless load is imbalanced (docs/router.md \"Cache-aware routing\"), else least loaded",
+         choices=("cache_aware", "round_robin", "least_loaded", "power_of_two")),
+    Flag("cache-threshold", float, 0.3,
+         "cache_aware: the fraction of a prompt's tokens a worker must hold (as far as the router knows) "
+         "for the prefix to decide where the request goes; below it the least loaded worker gets it"),
+    Flag("balance-abs-threshold", int, 32,
+         "cache_aware: load is imbalanced, and the least loaded worker gets the request whatever it holds, "
+         "when the busiest worker's in-flight load exceeds the idlest's by more than this..."),
+    Flag("balance-rel-threshold", float, 1.5,
+         "...and is more than this many times the idlest's (both must hold)"),
+    Flag("prefix-index-max-pages", int, 65536,
+         "cache_aware: page keys the router remembers per worker (about 150 bytes each; never more than "
+         "the worker's KV pool holds); the least recently routed go first"),
     Flag("mode", str, "pd",
          "pd: prefill and decode workers, KV over NIXL; colocated: decode workers only, each computing "
          "the prompt itself (the baseline PD is measured against; --prefill is ignored)",

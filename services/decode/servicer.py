@@ -119,7 +119,9 @@ class DecodeServicer(LaneServicerMixin, wpb_grpc.DecodeServicer):
         engine = self.worker.engine
         return wpb.LoadReply(queued=queued, running=running, token_usage=engine.pool.token_usage,
                              protocol_version=PROTOCOL_VERSION, min_protocol_version=MIN_PEER_VERSION,
-                             kv_capacity_tokens=engine.capacity_tokens, max_model_len=engine.config.max_model_len)
+                             kv_capacity_tokens=engine.capacity_tokens, max_model_len=engine.config.max_model_len,
+                             epoch=self.worker.receiver.epoch,
+                             prefix_cache_page_size=engine.pool.page_size if engine.prefix_cache else 0)
 
     async def ResetPrefixCache(self, request, context):
         dropped = self.worker.reset_prefix_cache()

@@ -32,12 +32,15 @@ from services.engine.page_allocator import AllocatorError, PageAllocator
 ROOT = b""
 
 
-def page_keys(token_ids: Sequence[int], page_size: int, num_pages: int | None = None) -> list[bytes]:
-    """The chain keys of the first `num_pages` full pages of token_ids (default: all full pages)."""
+def page_keys(token_ids: Sequence[int], page_size: int, num_pages: int | None = None, start: int = 0,
+              parent: bytes = ROOT) -> list[bytes]:
+    """The chain keys of the first `num_pages` full pages of token_ids (default: all full pages).
+    `start`, `parent`: only the keys of pages start.. , given the key of page start - 1 (extending
+    a chain already computed for a shorter sequence with the same first pages)."""
     full = len(token_ids) // page_size
     n = full if num_pages is None else min(full, num_pages)
-    keys, parent = [], ROOT
-    for i in range(n):
+    keys = []
+    for i in range(start, n):
         chunk = array("I", token_ids[i * page_size : (i + 1) * page_size]).tobytes()
         parent = hashlib.blake2b(parent + chunk, digest_size=16).digest()
         keys.append(parent)

@@ -79,8 +79,11 @@ class PrefillServicer(LaneServicerMixin, wpb_grpc.PrefillServicer):
             log.error("router refused: incompatible protocol version", reason=problem)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         queued, running = self.worker.load()
-        return wpb.LoadReply(queued=queued, running=running, token_usage=self.worker.engine.pool.token_usage,
-                             protocol_version=PROTOCOL_VERSION, min_protocol_version=MIN_PEER_VERSION)
+        engine = self.worker.engine
+        return wpb.LoadReply(queued=queued, running=running, token_usage=engine.pool.token_usage,
+                             protocol_version=PROTOCOL_VERSION, min_protocol_version=MIN_PEER_VERSION,
+                             kv_capacity_tokens=engine.capacity_tokens, epoch=self.worker.sender.epoch,
+                             prefix_cache_page_size=engine.pool.page_size if engine.prefix_cache else 0)
 
     async def ResetPrefixCache(self, request, context):
         dropped = self.worker.reset_prefix_cache()

@@ -60,6 +60,7 @@ from services.router.grammar_cost import GrammarCost
 from services.router.limits import RequestLimits
 from services.router.orchestrator import Orchestrator, new_room
 from services.router.output import TokenStrings
+from services.router.policy import CacheThresholds
 from services.router.pool import WorkerPool
 from services.router.protocol import GenerateSpec, ModelInfo, parse_chat, parse_completion, valid_request_id
 from services.router.render import ResponseState
@@ -175,6 +176,9 @@ class Router:
             lane=settings.worker_lane,
             shared=self.shared,
             pair_hold=settings.pair_hold,
+            cache_thresholds=CacheThresholds(settings.cache_threshold, settings.balance_abs_threshold,
+                                             settings.balance_rel_threshold),
+            prefix_index_max_pages=settings.prefix_index_max_pages,
         )
         if self.shared is not None:
             self.siblings = SiblingMetrics(settings.shared_dir, settings.processes, settings.process_index,

@@ -34,11 +34,14 @@ async def _reset_one(w: Worker, timeout: float) -> dict[str, Any]:
 
 
 async def reset_prefix_caches(pool: WorkerPool, timeout: float = RESET_TIMEOUT_S) -> dict[str, Any]:
-    """Reset every worker's cache; raises APIError(503) naming the workers that did not answer."""
+    """Reset every worker's cache; raises APIError(503) naming the workers that did not answer.
+    The router's own view of the caches (services/router/prefix_index.py) empties first, so no
+    request is steered by a cache that is going away."""
+    dropped = pool.index.clear()
     results = await asyncio.gather(*(_reset_one(w, timeout) for w in pool.workers if w.stub is not None))
     failed = [r for r in results if not r["ok"]]
     if failed:
         names = ", ".join(f"{r['worker']} ({r['error']})" for r in failed)
         raise APIError(503, f"prefix cache not reset on {len(failed)} of {len(results)} workers: {names}",
                        code="prefix_cache_reset_failed")
-    return {"object": "prefix_cache_reset", "workers": results}
+    return {"object": "prefix_cache_reset", "workers": results, "router_index_pages_dropped": dropped}

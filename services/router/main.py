@@ -60,6 +60,11 @@ def main(argv=None) -> None:
     if args.max_migrations < 0 or args.stream_stall_timeout <= 0:
         log.error("--max-migrations must be 0 or more and --stream-stall-timeout positive")
         sys.exit(2)
+    if (not 0.0 <= args.cache_threshold <= 1.0 or args.balance_abs_threshold < 0 or args.balance_rel_threshold < 1.0
+            or args.prefix_index_max_pages < 1):
+        log.error("--cache-threshold must be within [0, 1], --balance-abs-threshold 0 or more, "
+                  "--balance-rel-threshold 1 or more and --prefix-index-max-pages positive")
+        sys.exit(2)
     if (args.processes < 1 or (args.processes > 1 and args.port == 0) or args.process_stall_timeout <= 0
             or args.process_start_timeout <= 0):
         log.error("--processes must be 1 or more, more than 1 needs a fixed --port (not 0), and "

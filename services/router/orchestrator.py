@@ -42,6 +42,7 @@ from services.router.errors import APIError, bad_request, deadline_exceeded, ups
 from services.router.migration import Progress, migration_reason
 from services.router.pair_health import pair_failure
 from services.router.pool import Worker, WorkerPool
+from services.router.prefix_index import RequestKeys
 from services.router.protocol import GenerateSpec
 
 if TYPE_CHECKING:
@@ -192,7 +193,9 @@ class Orchestrator:
                     return
                 self._check_capacity(refused, spec, progress)
                 sharing = share is not None and number == 0
-                prefill, decode = await self.pool.choose_pair(exclude, share.prefill if sharing else None)
+                ids = progress.ids()
+                prompt = RequestKeys(ids) if self.pool.cache_aware else None  # hashed once, for both roles
+                prefill, decode = await self.pool.choose_pair(exclude, share.prefill if sharing else None, prompt)
                 if sharing and share.prefill is None:
                     share.prefill = prefill  # the first choice to get here picks it for all
                 share_key = share.key if sharing and prefill is not None and prefill is share.prefill else 0
@@ -206,7 +209,7 @@ class Orchestrator:
                         raise last_error
                 number += 1
                 room = first_room if number == 1 and first_room else new_room()
-                ids, params = progress.ids(), params_to_pb(progress.params(base))
+                params = params_to_pb(progress.params(base))
                 # Not bound around the yields below: the caller may resume this generator from
                 # another task, where resetting a context variable set here would fail.
                 with bound_contextvars(room=room):
@@ -231,6 +234,8 @@ class Orchestrator:
                         completed = bool(chunk.finish_reason)
                         yield chunk
                         if completed:
+                            if prompt is not None:  # decode keeps prompt + reply cached, but the last id's KV
+                                self.pool.remember(decode, prompt.extended(progress.ids()[:-1]))
                             if prefill is not None and self.pool.pairs.clear(prefill, decode):
                                 log.info("worker pair served a request again; mark cleared",
                                          prefill=prefill.addr, decode=decode.addr)

@@ -26,6 +26,11 @@
   avoids marked pairs while an unmarked healthy one exists, so a prefill that cannot reach one
   decode keeps serving through the others. A worker's marks go when it is ejected, admitted
   again or leaves the pool.
+- `index` is the router's view of what each worker's prefix cache holds
+  (services/router/prefix_index.py), which the cache_aware policy reads. Each Load reply carries
+  the worker's epoch (new at every start) and its prefix cache's page size: a new epoch means
+  an empty cache, so the worker's entries go at once, even when no request failed; an ejected
+  or retired worker's entries go too.
 """
 
 from __future__ import annotations
@@ -50,7 +55,8 @@ from services.router.discovery import Resolver, resolve_specs, split_host_port, 
 from services.router.errors import no_healthy_workers
 from services.router.lane import LaneStub
 from services.router.pair_health import PairHealth
-from services.router.policy import make_policy
+from services.router.policy import CacheThresholds, make_policy
+from services.router.prefix_index import PrefixIndex, RequestKeys
 from services.router.shared_state import MAX_WORKERS, PeerView, SharedState, worker_key
 
 log = get_logger("router.pool")
@@ -83,6 +89,8 @@ class Worker:
     external_load: int = 0  # queued + running on the worker that are not ours (last Load report)
     capacity_tokens: int = 0  # tokens its KV pool holds (last Load report; 0: not reported)
     max_model_len: int = 0  # its --max-model-len (last Load report; 0: not reported)
+    epoch: int = 0  # its start's id (last Load report; 0: not reported yet); a new one: it restarted
+    prefix_page_size: int = 0  # tokens per page its prefix cache keys (last Load report; 0: no cache)
     last_error: str = ""
     incompatible: str = ""  # why its protocol version does not fit this router's ("" when it does)
     last_change: float = field(default_factory=time.time)
@@ -102,6 +110,26 @@ def load_of(w: Worker) -> int:
     return w.inflight + w.peer_inflight + w.external_load
 
 
+@dataclass
+class PrefixMatch:
+    """One request's prompt as the cache_aware policy sees it (policy.PrefixView)."""
+
+    index: PrefixIndex
+    keys: RequestKeys
+
+    @property
+    def total(self) -> int:
+        return len(self.keys)
+
+    def matched(self, w: Worker) -> int:
+        size = w.prefix_page_size
+        if not size:
+            return 0
+        # a worker leaves at least one prompt token to compute (prefix_cache.max_hit_pages)
+        pages = min(self.index.match(w, self.keys.for_page_size(size)), max(0, self.total - 1) // size)
+        return pages * size
+
+
 class WorkerPool:
     def __init__(
         self,
@@ -118,6 +146,8 @@ class WorkerPool:
         lane: bool = True,
         shared: SharedState | None = None,
         pair_hold: float = 30.0,
+        cache_thresholds: CacheThresholds | None = None,
+        prefix_index_max_pages: int = 65536,
     ):
         self.pairs = PairHealth(hold=pair_hold)  # (prefill, decode) pairs whose KV path failed
         self.shared = shared  # the router's other processes (--processes > 1), read every SHARE_INTERVAL
@@ -131,7 +161,10 @@ class WorkerPool:
         self._retired: list[Worker] = []  # left the rotation; channel closes when idle
         self.dns_refresh_interval = dns_refresh_interval
         self._resolver = resolver
-        self._policies = {"prefill": make_policy(policy), "decode": make_policy(policy)}
+        self._policies = {"prefill": make_policy(policy, thresholds=cache_thresholds),
+                          "decode": make_policy(policy, thresholds=cache_thresholds)}
+        self.cache_aware = policy == "cache_aware"  # only that policy reads (and so needs) the index
+        self.index = PrefixIndex(prefix_index_max_pages)
         self.metrics = metrics
         self.interval = interval
         self.timeout = timeout
@@ -191,6 +224,7 @@ class WorkerPool:
     def _retire(self, w: Worker) -> None:
         w.healthy = False
         self.pairs.forget(w)
+        self.index.forget(w)
         self._retired.append(w)
         if self.metrics is not None:
             self.metrics.worker_healthy.remove(*self.metrics.labels.values(), w.addr)
@@ -318,9 +352,20 @@ class WorkerPool:
         w.external_load = max(0, reply.queued + reply.running - w.inflight - w.peer_inflight)
         w.capacity_tokens = reply.kv_capacity_tokens
         w.max_model_len = reply.max_model_len
+        self._note_epoch(w, reply.epoch, reply.prefix_cache_page_size)
         problem = incompatibility(f"{w.role} {w.addr}", reply.protocol_version, reply.min_protocol_version)
         self._set_incompatible(w, problem)
         return problem
+
+    def _note_epoch(self, w: Worker, epoch: int, page_size: int) -> None:
+        """A new epoch is a restarted worker with an empty cache; a new page size (or the cache
+        turned off) makes the keys the router holds for it meaningless: either way they go."""
+        if (w.epoch and epoch != w.epoch) or page_size != w.prefix_page_size:
+            dropped = self.index.forget(w)
+            if w.epoch and epoch != w.epoch:
+                log.info("worker restarted (new epoch); the router forgets what it routed there", role=w.role,
+                         target=w.addr, old_epoch=w.epoch, epoch=epoch, index_pages=dropped)
+        w.epoch, w.prefix_page_size = epoch, page_size
 
     def _set_incompatible(self, w: Worker, problem: str) -> None:
         if problem and problem != w.incompatible:
@@ -336,6 +381,8 @@ class WorkerPool:
         self.pairs.forget(w)  # its own health rules now; back in the pool (maybe restarted), its pairs start clean
         if not healthy:
             w.ejections += 1
+            # it may come back restarted or not at all: what it held is no longer known
+            self.index.forget(w)
         if healthy:
             log.info("worker admitted", role=w.role, target=w.addr)
         else:
@@ -391,11 +438,13 @@ class WorkerPool:
         return (self.colocated or any(w.healthy for w in self.prefills)) and any(w.healthy for w in self.decodes)
 
     async def choose_pair(
-        self, exclude: Iterable[Worker] = (), prefill: Worker | None = None
+        self, exclude: Iterable[Worker] = (), prefill: Worker | None = None, prompt: RequestKeys | None = None,
     ) -> tuple[Worker | None, Worker]:
         """A healthy (prefill, decode), avoiding `exclude` when another healthy worker exists;
         colocated: (None, decode). `prefill`: take that prefill while it is healthy and not
         excluded (the n choices of one request share one prefill, services/router/fanout.py).
+        `prompt`: the ids the pair will be sent (cache_aware reads the index with them; both
+        chosen workers are then recorded as holding them).
 
         The pair comes reserved: each worker's `inflight` is already counted (with no await between
         choosing and counting, so concurrent requests see each other's load); the caller releases it.
@@ -410,23 +459,35 @@ class WorkerPool:
         for role, group in roles:  # a group may have emptied while another was probed (an await above)
             if not any(w.healthy for w in group):
                 raise no_healthy_workers(role)
+        match = PrefixMatch(self.index, prompt) if self.cache_aware and prompt is not None else None
         if self.colocated:
             prefill = None
         elif not (prefill is not None and prefill.healthy and prefill not in excluded and prefill in self.prefills):
-            prefill = self._policies["prefill"].choose(self._prefills_with_a_good_pair(excluded), load_of)
+            prefill = self._policies["prefill"].choose(self._prefills_with_a_good_pair(excluded), load_of, match)
         decodes = self._candidates(self.decodes, excluded)
-        decode = self._policies["decode"].choose(decodes, load_of)
+        decode = self._policies["decode"].choose(decodes, load_of, match)
         if prefill is not None and self.pairs.is_marked(prefill, decode):
             # choose again among the pair's good decodes (not from the start among a shrunken list,
             # whose round-robin would starve a worker); every pair marked: route anyway
             good = self.pairs.unmarked(prefill, decodes)
             if good:
-                decode = self._policies["decode"].choose(good, load_of)
+                decode = self._policies["decode"].choose(good, load_of, match)
         if prefill is not None:
             prefill.inflight += 1
             self.pairs.touch(prefill, decode)
         decode.inflight += 1
+        if match is not None:
+            for w in (prefill, decode):
+                if w is not None:
+                    self.remember(w, prompt)
         return prefill, decode
+
+    def remember(self, w: Worker, ids: RequestKeys) -> None:
+        """`w` was sent `ids` (a prompt; on decode, after the request, its prompt + reply): its
+        prefix cache should hold their full pages now."""
+        if self.cache_aware and w.prefix_page_size:
+            size = w.prefix_page_size
+            self.index.insert(w, ids.for_page_size(size), cap=w.capacity_tokens // size)
 
     @staticmethod
     def _candidates(group: list[Worker], excluded: set[Worker]) -> list[Worker]:
@@ -463,6 +524,8 @@ class WorkerPool:
                 "external_load": w.external_load,
                 "kv_capacity_tokens": w.capacity_tokens or None,
                 "max_model_len": w.max_model_len or None,
+                "epoch": w.epoch or None,
+                "prefix_index_pages": self.index.pages(w),
                 "last_error": w.last_error or None,
             }
 

@@ -32,6 +32,7 @@ import grpc
 
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.logging_setup import get_logger
+from services.router.leases import PairLease
 from services.router.pool import Worker, WorkerPool
 
 log = get_logger("router.attempt")
@@ -90,15 +91,16 @@ async def first_of(futures: set[asyncio.Future], until: float) -> None:
 
 
 class Attempt:
-    """Both RPCs of one try. The pair arrives reserved by WorkerPool.choose_pair; the attempt
-    releases decode's slot on close and prefill's when the Prefill RPC ends."""
+    """Both RPCs of one try, and nothing else: what to do when it fails is the orchestrator's
+    (services/router/recovery_policy.py). The pair arrives reserved (a PairLease from
+    WorkerPool.choose_pair); the attempt releases decode's lease on close and prefill's when the
+    Prefill RPC ends (releases are idempotent, so the orchestrator may release the pair again)."""
 
     def __init__(
         self,
         pool: WorkerPool,
         reap: Callable[[asyncio.Task, object, float], None],
-        prefill: Worker | None,
-        decode: Worker,
+        pair: PairLease,
         room: int,
         ids: list[int],
         params: wpb.SamplingParams,
@@ -108,7 +110,9 @@ class Attempt:
         canary: bool = False,
     ):
         self.pool, self._reap = pool, reap
-        self.prefill, self.decode, self.room = prefill, decode, room
+        self.pair = pair
+        prefill, decode = self.prefill, self.decode = pair.prefill, pair.decode
+        self.room = room
         self.deadline, self.stall_timeout = deadline, stall_timeout
         self.top_logprobs = params.top_logprobs
         loop = asyncio.get_running_loop()
@@ -138,7 +142,7 @@ class Attempt:
     def _prefill_done(self, task: asyncio.Task) -> None:
         if self.prefill is None:
             return
-        self.prefill.inflight -= 1
+        self.pair.release_prefill()
         if task.cancelled():
             return
         exc = task.exception()
@@ -235,7 +239,7 @@ class Attempt:
         if self._read is not None and not self._read.done():
             self._read.cancel()
         self._decode_call.cancel()  # no-op when the stream already finished
-        self.decode.inflight -= 1
+        self.pair.release_decode()
         if not self._prefill_task.done():
             if completed:
                 self._reap(self._prefill_task, self._prefill_call, self.deadline)

@@ -191,7 +191,8 @@ class Orchestrator:
                     return
                 self._check_capacity(refused, spec, progress)
                 sharing = share is not None and number == 0
-                prefill, decode = await self.pool.choose_pair(exclude, share.prefill if sharing else None)
+                pair = await self.pool.choose_pair(exclude, share.prefill if sharing else None)
+                prefill, decode = pair
                 if sharing and share.prefill is None:
                     share.prefill = prefill  # the first choice to get here picks it for all
                 share_key = share.key if sharing and prefill is not None and prefill is share.prefill else 0
@@ -199,9 +200,7 @@ class Orchestrator:
                     # Nothing else is healthy: the same pair gets one more chance, not more.
                     repeats += 1
                     if repeats > 1 and last_error is not None:
-                        if prefill is not None:
-                            prefill.inflight -= 1
-                        decode.inflight -= 1
+                        pair.release()
                         raise last_error
                 number += 1
                 room = first_room if number == 1 and first_room else new_room()
@@ -210,12 +209,10 @@ class Orchestrator:
                 # another task, where resetting a context variable set here would fail.
                 with bound_contextvars(room=room):
                     try:
-                        attempt = Attempt(self.pool, self.reap, prefill, decode, room, ids, params, deadline,
+                        attempt = Attempt(self.pool, self.reap, pair, room, ids, params, deadline,
                                           self.stall_timeout, share_key)
                     except BaseException:
-                        if prefill is not None:
-                            prefill.inflight -= 1
-                        decode.inflight -= 1
+                        pair.release()
                         raise
                     log.info("attempt", attempt=number, prefill=prefill.addr if prefill else "colocated",
                              decode=decode.addr,

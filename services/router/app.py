@@ -406,17 +406,19 @@ class _Run:
         self.state = self.states[0]
         timeout = router.settings.request_timeout
         buffered = router.settings.max_buffered_tokens * len(self.choices)  # the flag is per choice
+        orchestrator = router.orchestrator
         if len(self.choices) == 1:
-            gen = router.orchestrator.generate(self._choice_spec(spec, 0), deadline, timeout, first_room=request_id)
+            # each choice's request object (services/router/request_state.py): its status, progress, budget
+            self.requests = [orchestrator.new_request(self._choice_spec(spec, 0), first_room=request_id)]
+            gen = orchestrator.generate(self.requests[0], deadline, timeout)
             self.fan: FanIn | Single = FanIn([gen], buffered) if spec.stream else Single(gen)
         else:
             # one prefill share per prompt: its n choices compute that prompt once
             shares = {id(p): PrefillShare(new_room()) for p in spec.prompts}
-            self.fan = FanIn([
-                router.orchestrator.generate(self._choice_spec(p, j), deadline, timeout,
-                                             first_room=request_id if k == 0 else None, share=shares[id(p)])
-                for k, (p, j) in enumerate(self.choices)
-            ], buffered)
+            self.requests = [orchestrator.new_request(self._choice_spec(p, j), request_id if k == 0 else None,
+                                                      shares[id(p)])
+                             for k, (p, j) in enumerate(self.choices)]
+            self.fan = FanIn([orchestrator.generate(req, deadline, timeout) for req in self.requests], buffered)
         self.last_token_at: list[float | None] = [None] * len(self.choices)
         self.ttft: float | None = None
         self._ended: set[int] = set()  # choices whose last chunk (with a finish reason) was read

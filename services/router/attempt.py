@@ -32,6 +32,7 @@ import grpc
 
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.logging_setup import get_logger
+from services.common.refusal import Refusal, refusal_of
 from services.router.leases import PairLease
 from services.router.pool import Worker, WorkerPool
 
@@ -51,16 +52,18 @@ class Chunk:
 
 
 class WorkerFailure(Exception):
-    """An attempt that cannot succeed. kind: error | ejected | stalled | ended."""
+    """An attempt that cannot succeed. kind: error | ejected | stalled | ended; `refusal`: the
+    worker's reason when it refused the call (services/common/refusal.py)."""
 
-    def __init__(self, worker: Worker, code: grpc.StatusCode | None, details: str, kind: str = "error"):
+    def __init__(self, worker: Worker, code: grpc.StatusCode | None, details: str, kind: str = "error",
+                 refusal: Refusal = Refusal.UNSPECIFIED):
         super().__init__(f"{worker!r}: {code.name if code else kind.upper()}: {details}")
-        self.worker, self.code, self.details, self.kind = worker, code, details, kind
+        self.worker, self.code, self.details, self.kind, self.refusal = worker, code, details, kind, refusal
 
 
 def rpc_failure(worker: Worker, exc: BaseException) -> WorkerFailure:
     if isinstance(exc, grpc.aio.AioRpcError):
-        return WorkerFailure(worker, exc.code(), exc.details() or "")
+        return WorkerFailure(worker, exc.code(), exc.details() or "", refusal=refusal_of(exc))
     if isinstance(exc, asyncio.CancelledError):
         return WorkerFailure(worker, grpc.StatusCode.CANCELLED, "RPC cancelled")
     return WorkerFailure(worker, None, repr(exc))

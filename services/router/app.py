@@ -507,6 +507,9 @@ class _Run:
             completion_tokens=self.completion_tokens, finish_reason=self.state.finish_reason,
             ttft_s=None if self.ttft is None else round(self.ttft, 4), e2e_s=round(e2e, 4),
             client_request_id=self.public_id,
+            # from the choices' request objects: how many pairs served them, and moves mid-stream
+            attempts=sum(req.attempts for req in self.requests),
+            migrations=sum(req.budget.migrations for req in self.requests),
         )
         if self.spec.session_id is not None:
             fields["session_id"] = self.spec.session_id

@@ -8,7 +8,14 @@ import grpc
 import pytest
 
 from services.common.lane_server import LaneAbort, LaneContext, _end
-from services.common.refusal import REFUSAL_KEY, Refusal, length_refusal, refusal_from_metadata, refusal_of, refuse
+from services.common.refusal import (
+    REFUSAL_KEY,
+    Refusal,
+    length_refusal,
+    refusal_from_metadata,
+    refusal_of,
+    refuse,
+)
 from services.router.lane import rpc_error
 
 

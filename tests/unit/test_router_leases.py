@@ -146,3 +146,37 @@ def test_errors_release_each_lease_once(make):
     c.decodes[0].behaviour = Behaviour(mode="hang")
     assert post(c, "/v1/completions", completion()).status_code == 504  # the deadline
     settled(c, attempts=2, admitted=2)
+
+
+def test_the_canary_releases_its_pairs_leases_whether_it_passes_or_fails():
+    from services.router.canary import Canary
+    from services.router.orchestrator import Orchestrator
+    from tests.fake_workers import FakeDecode, FakePrefill
+
+    async def run() -> None:
+        p, d = FakePrefill(), FakeDecode()
+        await p.start()
+        await d.start()
+        pool = WorkerPool([p.addr], [d.addr], timeout=2.0)
+        orchestrator = Orchestrator(pool, [])
+        try:
+            await pool.refresh_addresses()
+            await pool.probe_all()
+            prefill, decode = pool.prefills[0], pool.decodes[0]
+            canary = Canary(pool, orchestrator.reap, [1, 2, 3], interval=0.0, timeout=2.0)
+            assert await canary.probe(prefill, decode)
+            d.behaviour = Behaviour(mode="fail", code=grpc.StatusCode.INTERNAL)
+            assert not await canary.probe(prefill, decode)
+            for _ in range(200):  # the Prefill RPC of the failed one ends (cancelled) a moment later
+                if pool.leases.outstanding == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert pool.leases.outstanding == 0 and pool.leases.taken == 4
+            assert prefill.inflight == decode.inflight == 0
+        finally:
+            await orchestrator.close()
+            await pool.close()
+            await p.stop()
+            await d.stop()
+
+    asyncio.run(run())

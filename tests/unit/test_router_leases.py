@@ -180,3 +180,10 @@ def test_the_canary_releases_its_pairs_leases_whether_it_passes_or_fails():
             await d.stop()
 
     asyncio.run(run())
+
+
+def test_colocated_requests_hold_one_lease_per_attempt(make):
+    c = make(n_prefill=0, mode="colocated")
+    assert post(c, "/v1/completions", completion()).status_code == 200
+    c.all_rpcs_ended()
+    assert c.router.pool.leases.taken == c.router.pool.leases.released == 1  # decode's only: no prefill

@@ -59,7 +59,7 @@ class IllegalTransition(RuntimeError):
     pass
 
 
-@dataclass
+@dataclass(slots=True)
 class RetryBudget:
     """Attempts a request may still spend: fail-overs (before a token of the attempt) and
     migrations (after one). Capacity refusals spend nothing: they are bounded by the workers."""
@@ -78,7 +78,7 @@ class RetryBudget:
         return self.max_migrations - self.migrations
 
 
-@dataclass
+@dataclass(slots=True)
 class PrefillShare:
     """What the n choices of one request share on their first attempt (services/router/fanout.py)."""
 
@@ -86,7 +86,7 @@ class PrefillShare:
     prefill: Worker | None = None  # the prefill the first choice drew; the others ask for it
 
 
-@dataclass
+@dataclass(slots=True)
 class Timings:
     """Event-loop times (loop.time()) of the request's steps; None: not reached."""
 
@@ -96,7 +96,7 @@ class Timings:
     finished: float | None = None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class RequestState:
     spec: GenerateSpec
     budget: RetryBudget

@@ -26,6 +26,7 @@ from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.lane_server import LaneServicerMixin
 from services.common.mesh_protocol import MIN_PEER_VERSION, PROTOCOL_VERSION
+from services.common.refusal import Refusal, refusal_metadata
 from services.decode.jobs import Tokens, coalesce
 
 
@@ -44,6 +45,7 @@ class Behaviour:
     token_delay: float = 0.0  # decode: seconds between tokens
     times: int | None = None  # apply the mode this many times, then behave ("ok"); None: always
     keepalive: float = 0.0  # decode: while delaying the first token, send a keep-alive chunk this often
+    refusal: Refusal = Refusal.UNSPECIFIED  # "fail": refuse with this reason code, as the real workers do
 
 
 @dataclass
@@ -146,7 +148,8 @@ class FakePrefill(FakeWorker, wpb_grpc.PrefillServicer):
             if self.behaviour.delay:
                 await asyncio.sleep(self.behaviour.delay)
             if mode == "fail":
-                await context.abort(self.behaviour.code, "fake prefill failure")
+                await context.abort(self.behaviour.code, self.behaviour.details or "fake prefill failure",
+                                    trailing_metadata=refusal_metadata(self.behaviour.refusal))
             if mode == "hang":
                 await asyncio.Event().wait()
             return wpb.PrefillReply(room=request.room, first_token=0, prompt_tokens=len(request.token_ids))
@@ -220,7 +223,8 @@ class FakeDecode(FakeWorker, wpb_grpc.DecodeServicer):
             elif b.delay:
                 await asyncio.sleep(b.delay)
             if mode == "fail":
-                await context.abort(b.code, b.details or "fake decode failure")
+                await context.abort(b.code, b.details or "fake decode failure",
+                                    trailing_metadata=refusal_metadata(b.refusal))
             if mode == "hang":
                 await asyncio.Event().wait()
             if not self.coalesce:

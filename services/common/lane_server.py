@@ -28,6 +28,7 @@ import grpc
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.lane_batches import LANE_MESSAGE_BYTES, batches, entry_bytes
 from services.common.logging_setup import get_logger
+from services.common.refusal import Refusal, refusal_from_metadata
 
 log = get_logger("lane")
 
@@ -35,9 +36,9 @@ log = get_logger("lane")
 class LaneAbort(Exception):
     """Raised by LaneContext.abort: ends the call with this status."""
 
-    def __init__(self, code: grpc.StatusCode, details: str):
+    def __init__(self, code: grpc.StatusCode, details: str, refusal: int = 0):
         super().__init__(f"{code.name}: {details}")
-        self.code, self.details = code, details
+        self.code, self.details, self.refusal = code, details, refusal
 
 
 class LaneContext:
@@ -45,8 +46,9 @@ class LaneContext:
 
     __slots__ = ()
 
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        raise LaneAbort(code, details)
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
+        # the refusal code (services/common/refusal.py) is the only trailing metadata a servicer sets
+        raise LaneAbort(code, details, refusal_from_metadata(trailing_metadata))
 
 
 _CONTEXT = LaneContext()
@@ -69,8 +71,8 @@ def refusing() -> str:
     return _refusing
 
 
-def _end(call: int, code: grpc.StatusCode, details: str = "") -> wpb.LaneReply:
-    return wpb.LaneReply(call=call, end=wpb.LaneEnd(code=code.value[0], details=details))
+def _end(call: int, code: grpc.StatusCode, details: str = "", refusal: int = 0) -> wpb.LaneReply:
+    return wpb.LaneReply(call=call, end=wpb.LaneEnd(code=code.value[0], details=details, refusal=refusal))
 
 
 class _LaneStream:
@@ -133,7 +135,7 @@ class _LaneStream:
                 task.cancel()
             return
         if _refusing:
-            self.emit(_end(entry.call, grpc.StatusCode.UNAVAILABLE, _refusing))
+            self.emit(_end(entry.call, grpc.StatusCode.UNAVAILABLE, _refusing, Refusal.DRAINING))
             return
         if entry.call in self.tasks:
             self.emit(_end(entry.call, grpc.StatusCode.ALREADY_EXISTS, f"lane call {entry.call} is in progress"))
@@ -159,7 +161,7 @@ class _LaneStream:
         try:
             reply = await self.servicer.Prefill(request, _CONTEXT)
         except LaneAbort as e:
-            self.emit(_end(call, e.code, e.details))
+            self.emit(_end(call, e.code, e.details, e.refusal))
         except Exception as e:  # as grpc answers a handler's exception: UNKNOWN, the error named
             log.exception("lane prefill call failed", call=call)
             self.emit(_end(call, grpc.StatusCode.UNKNOWN, f"Unexpected {type(e).__name__}: {e}"))
@@ -175,7 +177,7 @@ class _LaneStream:
                 await asyncio.shield(self.emit(wpb.LaneReply(call=call, chunk=chunk)))
             self.emit(_end(call, grpc.StatusCode.OK))
         except LaneAbort as e:
-            self.emit(_end(call, e.code, e.details))
+            self.emit(_end(call, e.code, e.details, e.refusal))
         except asyncio.CancelledError:
             # cancelled while waiting for a write: the servicer sits at its yield; it sees the
             # cancellation there, as when grpc cancels an RPC's handler

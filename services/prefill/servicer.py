@@ -12,6 +12,7 @@ from services.common.lane_server import LaneServicerMixin, refusing
 from services.common.logging_setup import bound_room, get_logger
 from services.common.mesh_protocol import MIN_PEER_VERSION, PROTOCOL_VERSION, incompatibility
 from services.common.prompt_logprobs import to_pb
+from services.common.refusal import Refusal, length_refusal, refuse
 from services.common.wire import parse_request, top_logprobs_pb
 from services.prefill.worker import PrefillWorker, RoomFailed
 from services.transfer.state import DuplicateRoom
@@ -25,23 +26,27 @@ class PrefillServicer(LaneServicerMixin, wpb_grpc.PrefillServicer):
 
     async def Prefill(self, request, context):
         if refusing():  # stopping: the router fails this over at once
-            await context.abort(grpc.StatusCode.UNAVAILABLE, refusing())
+            await refuse(context, grpc.StatusCode.UNAVAILABLE, Refusal.DRAINING, refusing())
         room = request.room
         with bound_room(room):
             ids = list(request.token_ids)
+            too_long = length_refusal(len(ids), request.params.max_tokens, self.worker.engine.config.max_model_len)
+            if too_long:  # this worker's --max-model-len; another worker's may be longer: the router tries it
+                await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, Refusal.TOO_LONG, too_long)
             pool = self.worker.engine.pool
             try:
                 params = parse_request(request.params, ids, self.worker.engine.config)
                 if params.grammar is not None:  # a big grammar compiles for seconds: off the event loop
                     await asyncio.to_thread(self.worker.engine.check_grammar, params)
-                if not pool.can_ever_hold(len(ids)):
-                    raise ValueError(f"prompt of {len(ids)} tokens needs more KV pages than this worker has")
             except ValueError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, Refusal.INVALID, str(e))
+            if not pool.can_ever_hold(len(ids)):  # another worker's pool may: the router tries it (by this code)
+                await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, Refusal.KV_CAPACITY,
+                             f"prompt of {len(ids)} tokens needs more KV pages than this worker has")
             try:
                 job = self.worker.submit(room, ids, params, request.share_key, request.canary)
             except DuplicateRoom as e:
-                await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+                await refuse(context, grpc.StatusCode.ALREADY_EXISTS, Refusal.DUPLICATE_ROOM, str(e))
             log.info("prefill request", prompt_tokens=len(ids))
             try:
                 result = await job.future

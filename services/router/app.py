@@ -57,6 +57,7 @@ from services.router.errors import APIError
 from services.router.fanout import FanIn, PrefillShare, Single
 from services.router.fastpath import RouterApp
 from services.router.grammar_cost import GrammarCost
+from services.router.leases import Lease, Ledger
 from services.router.limits import RequestLimits
 from services.router.orchestrator import Orchestrator, new_room
 from services.router.output import TokenStrings
@@ -153,8 +154,9 @@ class Router:
             self.shared = SharedState(state_path(settings.shared_dir), settings.processes, settings.process_index)
             self.shared.claim()
             label += f"-p{settings.process_index}"
-        self._active = 0
-        self._body_reads = 0  # request bodies being read (--max-body-reads)
+        self._active = 0  # choices admitted and not finished: changed only by admission leases
+        self.admissions = Ledger()  # the admission leases' amounts taken and released
+        self._body_reads = 0  # request bodies being read (--max-body-reads), by leases too
         self.draining = False  # set on SIGTERM (begin_drain): admit nothing new, finish what is held
         self.metrics = Metrics("router", name, label)
         self.metrics.gauge_from("num_running_reqs", lambda: self.active)
@@ -197,11 +199,14 @@ class Router:
         """Choices admitted by this process and not yet finished (a request with n = 4 holds 4)."""
         return self._active
 
-    @active.setter
-    def active(self, n: int) -> None:
-        self._active = n
+    def _count_active(self, delta: int) -> None:
+        # the one place the count changes: an admission Lease takes and gives it back
+        self._active += delta
         if self.shared is not None:
-            self.shared.set_active(n)  # the other processes' admission sees it at once
+            self.shared.set_active(self._active)  # the other processes' admission sees it at once
+
+    def _count_body_reads(self, delta: int) -> None:
+        self._body_reads += delta
 
     def check_capacity(self) -> None:
         """429 while the budget is spent, before any of the body is read: an overloaded router
@@ -213,11 +218,11 @@ class Router:
         if taken >= limit:
             raise errors.too_many_requests(limit)
 
-    def admit(self, cost: int) -> None:
+    def admit(self, cost: int) -> Lease:
         """Take `cost` slots (a request's choices: what the workers will hold) of
         --max-concurrent-requests, which bounds the whole router: with --processes, every
         process's admitted choices count (shared_state.py). 400 for more than the whole budget,
-        429 for more than is left."""
+        429 for more than is left. The slots are a Lease: released once, by whoever ends the request."""
         if self.draining:
             raise errors.shutting_down()
         limit = self.settings.max_concurrent_requests
@@ -226,9 +231,9 @@ class Router:
         if self.shared is None:
             if self._active + cost > limit:
                 raise errors.too_many_requests(limit)
-        elif not self.shared.try_admit(limit, cost):
+        elif not self.shared.try_admit(limit, cost):  # counted there at once, under the shared lock
             raise errors.too_many_requests(limit)
-        self._active += cost
+        return Lease(self._count_active, cost, self.admissions)
 
     def begin_drain(self) -> None:
         """A graceful stop began: new generation requests get 503 (a client or load balancer
@@ -285,15 +290,13 @@ class Router:
         when it is not in within --body-timeout, 429 when --max-body-reads are already under way."""
         if self._body_reads >= self.settings.max_body_reads:
             raise errors.too_many_body_reads(self.settings.max_body_reads)
-        self._body_reads += 1
         try:
-            async with asyncio.timeout(self.settings.body_timeout):
-                raw = await self._read_body(request)
+            with Lease(self._count_body_reads):
+                async with asyncio.timeout(self.settings.body_timeout):
+                    raw = await self._read_body(request)
         except TimeoutError:
             self.metrics.inc(self.metrics.router_client_cutoffs, reason="body_timeout")
             raise errors.body_timeout(self.settings.body_timeout) from None
-        finally:
-            self._body_reads -= 1
         try:
             return json.loads(raw), len(raw)
         except RecursionError:
@@ -354,7 +357,7 @@ class Router:
                 body_in = True
                 spec = await self.parse(kind, body, size)
                 # the slots are taken once the body is in and parsed: a client slow to send holds none
-                self.admit(len(spec.prompts) * spec.n)
+                slots = self.admit(len(spec.prompts) * spec.n)
             except APIError as e:
                 log.info("request rejected", status=e.status, error=e.message[:300])
                 if not body_in:
@@ -368,9 +371,9 @@ class Router:
                 self.metrics.inc(self.metrics.num_requests)
                 self.metrics.inc(self.metrics.prompt_tokens, sum(len(p.prompt_ids) for p in spec.prompts))
                 public_id = public_id or spec.request_id or f"{request_id:016x}"
-                run = _Run(self, spec, request_id, t0, deadline, public_id)
+                run = _Run(self, spec, request_id, t0, deadline, public_id, slots)
             except BaseException:
-                self.active -= len(spec.prompts) * spec.n
+                slots.release()
                 raise
             if spec.stream:
                 return await run.stream(request)
@@ -390,8 +393,9 @@ class _Run:
     assembled from one ResponseState per choice."""
 
     def __init__(self, router: Router, spec: GenerateSpec, request_id: int, t0: float, deadline: float,
-                 public_id: str):
+                 public_id: str, slots: Lease):
         self.router = router
+        self.slots = slots  # its admission slots, released by finish()
         self.spec = spec
         self.request_id = request_id
         self.public_id = public_id  # the client's X-Request-Id / request_id, else the room in hex
@@ -406,17 +410,19 @@ class _Run:
         self.state = self.states[0]
         timeout = router.settings.request_timeout
         buffered = router.settings.max_buffered_tokens * len(self.choices)  # the flag is per choice
+        orchestrator = router.orchestrator
         if len(self.choices) == 1:
-            gen = router.orchestrator.generate(self._choice_spec(spec, 0), deadline, timeout, first_room=request_id)
+            # each choice's request object (services/router/request_state.py): its status, progress, budget
+            self.requests = [orchestrator.new_request(self._choice_spec(spec, 0), first_room=request_id)]
+            gen = orchestrator.generate(self.requests[0], deadline, timeout)
             self.fan: FanIn | Single = FanIn([gen], buffered) if spec.stream else Single(gen)
         else:
             # one prefill share per prompt: its n choices compute that prompt once
             shares = {id(p): PrefillShare(new_room()) for p in spec.prompts}
-            self.fan = FanIn([
-                router.orchestrator.generate(self._choice_spec(p, j), deadline, timeout,
-                                             first_room=request_id if k == 0 else None, share=shares[id(p)])
-                for k, (p, j) in enumerate(self.choices)
-            ], buffered)
+            self.requests = [orchestrator.new_request(self._choice_spec(p, j), request_id if k == 0 else None,
+                                                      shares[id(p)])
+                             for k, (p, j) in enumerate(self.choices)]
+            self.fan = FanIn([orchestrator.generate(req, deadline, timeout) for req in self.requests], buffered)
         self.last_token_at: list[float | None] = [None] * len(self.choices)
         self.ttft: float | None = None
         self._ended: set[int] = set()  # choices whose last chunk (with a finish reason) was read
@@ -492,7 +498,7 @@ class _Run:
             return
         self._finished = True
         r = self.router
-        r.active -= len(self.choices)
+        self.slots.release()
         r.count(status)
         e2e = time.monotonic() - self.t0
         if self.ttft is not None:
@@ -505,6 +511,9 @@ class _Run:
             completion_tokens=self.completion_tokens, finish_reason=self.state.finish_reason,
             ttft_s=None if self.ttft is None else round(self.ttft, 4), e2e_s=round(e2e, 4),
             client_request_id=self.public_id,
+            # from the choices' request objects: how many pairs served them, and moves mid-stream
+            attempts=sum(req.attempts for req in self.requests),
+            migrations=sum(req.budget.migrations for req in self.requests),
         )
         if self.spec.session_id is not None:
             fields["session_id"] = self.spec.session_id

@@ -33,6 +33,8 @@ import grpc
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.logging_setup import get_logger
 from services.common.prompt_logprobs import PromptLogprobs, from_pb
+from services.common.refusal import Refusal, refusal_of
+from services.router.leases import PairLease
 from services.router.pool import Worker, WorkerPool
 
 log = get_logger("router.attempt")
@@ -52,16 +54,18 @@ class Chunk:
 
 
 class WorkerFailure(Exception):
-    """An attempt that cannot succeed. kind: error | ejected | stalled | ended."""
+    """An attempt that cannot succeed. kind: error | ejected | stalled | ended; `refusal`: the
+    worker's reason when it refused the call (services/common/refusal.py)."""
 
-    def __init__(self, worker: Worker, code: grpc.StatusCode | None, details: str, kind: str = "error"):
+    def __init__(self, worker: Worker, code: grpc.StatusCode | None, details: str, kind: str = "error",
+                 refusal: Refusal = Refusal.UNSPECIFIED):
         super().__init__(f"{worker!r}: {code.name if code else kind.upper()}: {details}")
-        self.worker, self.code, self.details, self.kind = worker, code, details, kind
+        self.worker, self.code, self.details, self.kind, self.refusal = worker, code, details, kind, refusal
 
 
 def rpc_failure(worker: Worker, exc: BaseException) -> WorkerFailure:
     if isinstance(exc, grpc.aio.AioRpcError):
-        return WorkerFailure(worker, exc.code(), exc.details() or "")
+        return WorkerFailure(worker, exc.code(), exc.details() or "", refusal=refusal_of(exc))
     if isinstance(exc, asyncio.CancelledError):
         return WorkerFailure(worker, grpc.StatusCode.CANCELLED, "RPC cancelled")
     return WorkerFailure(worker, None, repr(exc))
@@ -92,15 +96,16 @@ async def first_of(futures: set[asyncio.Future], until: float) -> None:
 
 
 class Attempt:
-    """Both RPCs of one try. The pair arrives reserved by WorkerPool.choose_pair; the attempt
-    releases decode's slot on close and prefill's when the Prefill RPC ends."""
+    """Both RPCs of one try, and nothing else: what to do when it fails is the orchestrator's
+    (services/router/recovery_policy.py). The pair arrives reserved (a PairLease from
+    WorkerPool.choose_pair); the attempt releases decode's lease on close and prefill's when the
+    Prefill RPC ends (releases are idempotent, so the orchestrator may release the pair again)."""
 
     def __init__(
         self,
         pool: WorkerPool,
         reap: Callable[[asyncio.Task, object, float], None],
-        prefill: Worker | None,
-        decode: Worker,
+        pair: PairLease,
         room: int,
         ids: list[int],
         params: wpb.SamplingParams,
@@ -110,7 +115,9 @@ class Attempt:
         canary: bool = False,
     ):
         self.pool, self._reap = pool, reap
-        self.prefill, self.decode, self.room = prefill, decode, room
+        self.pair = pair
+        prefill, decode = self.prefill, self.decode = pair.prefill, pair.decode
+        self.room = room
         self.deadline, self.stall_timeout = deadline, stall_timeout
         self.top_logprobs = params.top_logprobs
         self.wants_prompt = params.HasField("prompt_logprobs")
@@ -141,7 +148,7 @@ class Attempt:
     def _prefill_done(self, task: asyncio.Task) -> None:
         if self.prefill is None:
             return
-        self.prefill.inflight -= 1
+        self.pair.release_prefill()
         if task.cancelled():
             return
         exc = task.exception()
@@ -263,7 +270,7 @@ class Attempt:
         if self._read is not None and not self._read.done():
             self._read.cancel()
         self._decode_call.cancel()  # no-op when the stream already finished
-        self.decode.inflight -= 1
+        self.pair.release_decode()
         if not self._prefill_task.done():
             if completed:
                 self._reap(self._prefill_task, self._prefill_call, self.deadline)

@@ -30,6 +30,7 @@ from services.common.metrics import Metrics
 from services.common.sampling_params import SamplingParams
 from services.common.wire import params_to_pb
 from services.router.attempt import Attempt, WorkerFailure
+from services.router.leases import PairLease
 from services.router.pool import Worker, WorkerPool
 
 log = get_logger("router.canary")
@@ -101,12 +102,12 @@ class Canary:
         t0 = loop.time()
         deadline = t0 + self.timeout
         room = self._new_room() if self._new_room else 0
-        prefill.inflight += 1  # held like a request's, released by the attempt
-        decode.inflight += 1
+        # held like a request's: released by the attempt, and again (a no-op then) below
+        pair = PairLease(prefill, decode, self.pool.reserve(prefill), self.pool.reserve(decode))
         attempt = None
         error = ""
         try:
-            attempt = Attempt(self.pool, self.reap, prefill, decode, room, self.prompt_ids, self.params,
+            attempt = Attempt(self.pool, self.reap, pair, room, self.prompt_ids, self.params,
                               deadline, self.timeout, canary=True)
             async with asyncio.timeout(self.timeout):
                 while True:
@@ -124,8 +125,7 @@ class Canary:
             error = repr(e)
         finally:
             if attempt is None:
-                prefill.inflight -= 1
-                decode.inflight -= 1
+                pair.release()
             else:
                 attempt.close(completed=not error)
         passed = not error

@@ -15,18 +15,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 
-from services.router.orchestrator import Chunk
-from services.router.pool import Worker
+from services.router.attempt import Chunk
+from services.router.request_state import PrefillShare
 
-
-@dataclass
-class PrefillShare:
-    """What the n choices of one request share on their first attempt."""
-
-    key: int  # PrefillRequest.share_key: non-zero, random per request
-    prefill: Worker | None = None  # the prefill the first choice drew; the others ask for it
+__all__ = ["FanIn", "PrefillShare", "Single"]
 
 
 class FanIn:

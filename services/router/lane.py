@@ -32,14 +32,18 @@ from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.grpc_server import TOKEN_KEY, internal_token
 from services.common.lane_batches import LANE_MESSAGE_BYTES, batches, entry_bytes
 from services.common.logging_setup import get_logger
+from services.common.refusal import refusal_metadata
 
 log = get_logger("router.lane")
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _EMPTY = grpc.aio.Metadata()
 
 
-def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, _EMPTY, _EMPTY, details=details)
+def rpc_error(code: grpc.StatusCode, details: str, refusal: int = 0) -> grpc.aio.AioRpcError:
+    """The error grpc.aio would raise; a worker's refusal code goes where an RPC carries it (its
+    trailing metadata, services/common/refusal.py), so the router reads both the same way."""
+    trailing = grpc.aio.Metadata(*refusal_metadata(refusal)) if refusal else _EMPTY
+    return grpc.aio.AioRpcError(code, _EMPTY, trailing, details=details)
 
 
 class _Call:
@@ -106,7 +110,7 @@ class LanePrefillCall(_Call):
             if not self._future.done():
                 self._future.set_result(reply.prefill)
         elif kind == "end":
-            self.fail(rpc_error(_CODES.get(reply.end.code, grpc.StatusCode.UNKNOWN), reply.end.details)
+            self.fail(rpc_error(_CODES.get(reply.end.code, grpc.StatusCode.UNKNOWN), reply.end.details, reply.end.refusal)
                       if reply.end.code else rpc_error(grpc.StatusCode.INTERNAL, "Prefill call ended without a reply"))
 
     def fail(self, error: BaseException) -> None:
@@ -192,7 +196,8 @@ class LaneDecodeCall(_Call):
         elif kind == "end":
             self._over()
             code = _CODES.get(reply.end.code, grpc.StatusCode.UNKNOWN)
-            self._finish(grpc.aio.EOF if code == grpc.StatusCode.OK else rpc_error(code, reply.end.details))
+            self._finish(grpc.aio.EOF if code == grpc.StatusCode.OK
+                         else rpc_error(code, reply.end.details, reply.end.refusal))
 
     def fail(self, error: BaseException) -> None:
         self._over()

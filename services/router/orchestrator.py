@@ -15,11 +15,13 @@
   produced; the caller sees one stream of chunks and never learns of the move (usage, stop
   strings, logprobs and detokenization continue in ResponseState). At most `max_migrations`
   per request (0: a failure after the first token ends the request, as before).
-- **Capacity.** A worker that refuses the request because it can never hold its KV ("needs
-  more KV pages than this worker has", INVALID_ARGUMENT) is skipped and the request tries the
+- **Capacity.** A worker that refuses the request because it can never hold it (refusal code
+  KV_CAPACITY or TOO_LONG, services/common/refusal.py) is skipped and the request tries the
   others; when every healthy worker of that role has refused, the client gets a 400 saying so.
 
-Other INVALID_ARGUMENT refusals are a 400 at once; the request deadline is a 504.
+Other INVALID_ARGUMENT refusals are a 400 at once; the request deadline is a 504. Which of these
+follows a failure is services/router/recovery_policy.py's decision over the request object's
+status (services/router/request_state.py); this module carries it out.
 It yields `Chunk`s and raises `APIError`; closing the generator (aclose) cancels the RPCs.
 """
 
@@ -29,9 +31,6 @@ import asyncio
 import contextlib
 import secrets
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING
-
-import grpc
 
 from services.common.logging_setup import bound_contextvars, get_logger
 from services.common.metrics import Metrics
@@ -39,14 +38,14 @@ from services.common.sampling_params import SamplingParams
 from services.common.wire import params_to_pb
 from services.router.attempt import Attempt, Chunk, WorkerFailure
 from services.router.errors import APIError, bad_request, deadline_exceeded, upstream_failed
+from services.router.leases import PairLease
 from services.router.migration import Progress, migration_reason
 from services.router.pair_health import pair_failure
 from services.router.pool import Worker, WorkerPool
 from services.router.prefix_index import RequestKeys
 from services.router.protocol import GenerateSpec
-
-if TYPE_CHECKING:
-    from services.router.fanout import PrefillShare
+from services.router.recovery_policy import Action, FailureKind, classify, decide, next_status
+from services.router.request_state import PrefillShare, RequestState, RetryBudget, Status, Timings
 
 __all__ = ["Chunk", "Orchestrator", "WorkerFailure", "new_room", "sampling_params"]
 
@@ -54,7 +53,6 @@ log = get_logger("router.orchestrator")
 
 DEADLINE_SLACK = 0.05  # an RPC failing this close to the request deadline counts as the deadline
 MAX_FAILOVERS = 3  # attempts that failed before producing a token, per request (capacity refusals aside)
-CAPACITY_REFUSAL = "needs more KV pages than this worker has"  # the workers' servicers say this
 
 
 def new_room() -> int:
@@ -103,10 +101,6 @@ def retry_avoids(failure: WorkerFailure, prefill: Worker, decode: Worker) -> set
     return {prefill, decode}
 
 
-def is_capacity_refusal(failure: WorkerFailure) -> bool:
-    return failure.code == grpc.StatusCode.INVALID_ARGUMENT and CAPACITY_REFUSAL in failure.details
-
-
 class Orchestrator:
     def __init__(self, pool: WorkerPool, eos_ids: Sequence[int], max_migrations: int = 2,
                  stall_timeout: float = 30.0, metrics: Metrics | None = None):
@@ -138,16 +132,15 @@ class Orchestrator:
             with contextlib.suppress(BaseException):
                 await t
 
-    def _error(self, failure: WorkerFailure, deadline: float, timeout: float) -> tuple[APIError, bool]:
-        """The client-facing error for a failed attempt, and whether another attempt may help."""
-        loop = asyncio.get_running_loop()
-        if loop.time() >= deadline - DEADLINE_SLACK:
-            return deadline_exceeded(timeout), False
-        if failure.code == grpc.StatusCode.INVALID_ARGUMENT:
-            return bad_request(f"The worker rejected the request: {failure.details}", code="invalid_request"), False
+    def _error(self, failure: WorkerFailure, kind: FailureKind, timeout: float) -> APIError:
+        """The client-facing error for a failed attempt of this kind."""
+        if kind is FailureKind.DEADLINE:
+            return deadline_exceeded(timeout)
+        if kind is FailureKind.REJECTED:
+            return bad_request(f"The worker rejected the request: {failure.details}", code="invalid_request")
         return upstream_failed(f"{failure.worker.role} {failure.worker.addr}: "
                                f"{failure.code.name if failure.code else failure.kind.upper()}: "
-                               f"{failure.details}"), True
+                               f"{failure.details}")
 
     def _check_capacity(self, refused: set[Worker], spec: GenerateSpec, progress: Progress) -> None:
         """400 once every healthy worker of a role has refused the request for capacity."""
@@ -162,67 +155,64 @@ class Orchestrator:
                     code="kv_capacity_exceeded",
                 )
 
-    async def generate(
-        self, spec: GenerateSpec, deadline: float, timeout: float, first_room: int | None = None,
-        share: PrefillShare | None = None,
-    ) -> AsyncIterator[Chunk]:
+    def new_request(self, spec: GenerateSpec, first_room: int | None = None,
+                    share: PrefillShare | None = None) -> RequestState:
+        """One choice's request object, admitted now, with this router's retry budget."""
+        return RequestState(spec, RetryBudget(MAX_FAILOVERS, self.max_migrations),
+                            Timings(asyncio.get_running_loop().time()), first_room, share)
+
+    async def generate(self, req: RequestState, deadline: float, timeout: float) -> AsyncIterator[Chunk]:
         """Chunks of one request; raises APIError. Close it (aclose) to cancel the RPCs.
 
-        The first attempt uses `first_room` (the request id) when given; later ones get new rooms.
-        `share` (one choice of n > 1): the first attempt goes to the prefill the choices share,
-        with their share key (services/router/fanout.py).
+        Moves `req` through its statuses (services/router/request_state.py); what follows a
+        failed attempt is recovery_policy.decide's. The first attempt uses `req.first_room` (the
+        request id) when given; later ones get new rooms. `req.share` (one choice of n > 1): the
+        first attempt goes to the prefill the choices share, with their share key
+        (services/router/fanout.py).
         """
         loop = asyncio.get_running_loop()
+        spec, share, progress = req.spec, req.share, req.progress
         base = sampling_params(spec, self.eos_ids)
-        progress = Progress(list(spec.prompt_ids), spec.max_tokens)
-        exclude: set[Worker] = set()
-        refused: set[Worker] = set()
-        failovers = migrations = number = 0
-        failed_pairs: set[tuple[Worker, Worker]] = set()
-        repeats = 0  # attempts on a pair that already failed (when nothing else is healthy)
-        last_error: APIError | None = None
         attempt: Attempt | None = None
+        held: PairLease | None = None  # a pair chosen but not yet owned by an attempt
         completed = False
+        ended = "closed"  # how the request ended, for its state: set where it ends
         try:
             while True:
                 if loop.time() >= deadline:
+                    ended = "deadline"
                     raise deadline_exceeded(timeout)
                 if progress.remaining <= 0:  # every token arrived, only the finish reason was lost
                     completed = True
+                    req.finish(loop.time(), "length")
                     yield Chunk([], [], "length")
                     return
-                self._check_capacity(refused, spec, progress)
-                sharing = share is not None and number == 0
+                self._check_capacity(req.refused, spec, progress)
+                sharing = req.sharing
                 ids = progress.ids()
                 prompt = RequestKeys(ids) if self.pool.cache_aware else None  # hashed once, for both roles
-                prefill, decode = await self.pool.choose_pair(exclude, share.prefill if sharing else None, prompt)
+                held = await self.pool.choose_pair(req.exclude, share.prefill if sharing else None, prompt)
+                prefill, decode = held
                 if sharing and share.prefill is None:
                     share.prefill = prefill  # the first choice to get here picks it for all
                 share_key = share.key if sharing and prefill is not None and prefill is share.prefill else 0
-                if (prefill, decode) in failed_pairs:
+                if (prefill, decode) in req.failed_pairs:
                     # Nothing else is healthy: the same pair gets one more chance, not more.
-                    repeats += 1
-                    if repeats > 1 and last_error is not None:
-                        if prefill is not None:
-                            prefill.inflight -= 1
-                        decode.inflight -= 1
-                        raise last_error
-                number += 1
-                room = first_room if number == 1 and first_room else new_room()
+                    req.repeats += 1
+                    if req.repeats > 1 and req.last_error is not None:
+                        raise req.last_error
+                first = req.attempts == 0
+                req.attempt_started(loop.time())
+                room = req.first_room if first and req.first_room else new_room()
                 params = params_to_pb(progress.params(base))
                 # Not bound around the yields below: the caller may resume this generator from
                 # another task, where resetting a context variable set here would fail.
                 with bound_contextvars(room=room):
-                    try:
-                        attempt = Attempt(self.pool, self.reap, prefill, decode, room, ids, params, deadline,
-                                          self.stall_timeout, share_key)
-                    except BaseException:
-                        if prefill is not None:
-                            prefill.inflight -= 1
-                        decode.inflight -= 1
-                        raise
-                    log.info("attempt", attempt=number, prefill=prefill.addr if prefill else "colocated",
-                             decode=decode.addr,
+                    attempt = Attempt(self.pool, self.reap, held, room, ids, params, deadline,
+                                      self.stall_timeout, share_key)
+                    held = None  # the attempt releases the pair's leases from now on
+                    log.info("attempt", attempt=req.attempts, prefill=prefill.addr if prefill else "colocated",
+                             decode=decode.addr, status=req.status.value,
                              prompt_tokens=len(ids), max_tokens=progress.remaining, resumed_at=len(progress.generated))
                 try:
                     while True:
@@ -230,8 +220,10 @@ class Orchestrator:
                         if chunk is None:
                             raise WorkerFailure(decode, None, "decode stream ended without a finish reason",
                                                 kind="ended")
-                        progress.add(chunk.token_ids)
+                        req.tokens(chunk.token_ids, loop.time())
                         completed = bool(chunk.finish_reason)
+                        if completed:
+                            req.finish(loop.time(), chunk.finish_reason)
                         yield chunk
                         if completed:
                             if prompt is not None:  # decode keeps prompt + reply cached, but the last id's KV
@@ -242,38 +234,54 @@ class Orchestrator:
                             return
                 except WorkerFailure as failure:
                     attempt.close()
-                    self.pool.report_failure(failure.worker, failure.code)
-                    produced = attempt.got_first
                     attempt = None
-                    if is_capacity_refusal(failure):
-                        log.warning("worker cannot hold the request; trying another", room=room, attempt=number,
-                                    error=str(failure)[:300])
-                        refused.add(failure.worker)
-                        exclude.add(failure.worker)
-                        continue
-                    error, retryable = self._error(failure, deadline, timeout)
-                    self._judge_pair(failure, prefill, decode, produced, deadline)
-                    if produced:
-                        migrations += 1
-                        retryable = retryable and migrations <= self.max_migrations
-                    else:
-                        failovers += 1
-                        retryable = retryable and failovers <= MAX_FAILOVERS
-                    if not retryable:
-                        log.warning("attempt failed", room=room, attempt=number, error=str(failure)[:500],
-                                    status=error.status, tokens_sent=len(progress.generated))
-                        raise error from None
-                    exclude |= retry_avoids(failure, prefill, decode)
-                    failed_pairs.add((prefill, decode))
-                    last_error = error
-                    if produced:
-                        self._log_migration(failure, room, number, migrations, progress)
-                    else:
-                        log.warning("attempt failed; failing over", room=room, attempt=number,
-                                    error=str(failure)[:500], tokens_sent=len(progress.generated))
+                    self.pool.report_failure(failure.worker, failure.code)
+                    self._recover(req, failure, room, prefill, decode, deadline, timeout)
+        except APIError as e:
+            ended = e.message
+            raise
         finally:
             if attempt is not None:
                 attempt.close(completed)
+            if held is not None:
+                held.release()
+            req.finish(loop.time(), error="" if completed else ended)  # a no-op when it ended above
+
+    def _recover(self, req: RequestState, failure: WorkerFailure, room: int, prefill: Worker | None,
+                 decode: Worker, deadline: float, timeout: float) -> None:
+        """Act on a failed attempt as recovery_policy decides: skip the worker, fail over or
+        migrate (the request's next status), or raise the client's error."""
+        status = req.status
+        produced = status is Status.STREAMING  # the client may hold bytes of this attempt
+        at_deadline = asyncio.get_running_loop().time() >= deadline - DEADLINE_SLACK
+        kind = classify(failure.code, failure.refusal, at_deadline)
+        action = decide(status, kind, req.budget.failovers_left, req.budget.migrations_left)
+        if action is Action.SKIP_WORKER:
+            log.warning("worker cannot hold the request; trying another", room=room, attempt=req.attempts,
+                        refusal=failure.refusal.name, error=str(failure)[:300])
+            req.refused.add(failure.worker)
+            req.exclude.add(failure.worker)
+            req.to(next_status(status, action))
+            return
+        error = self._error(failure, kind, timeout)
+        self._judge_pair(failure, prefill, decode, produced, deadline)
+        if action is Action.FAIL:
+            log.warning("attempt failed", room=room, attempt=req.attempts, error=str(failure)[:500], status=error.status,
+                        request_status=status.value, tokens_sent=len(req.progress.generated))
+            raise error from None
+        if action is Action.MIGRATE:
+            req.budget.migrations += 1
+        else:
+            req.budget.failovers += 1
+        req.to(next_status(status, action))
+        req.exclude |= retry_avoids(failure, prefill, decode)
+        req.failed_pairs.add((prefill, decode))
+        req.last_error = error
+        if action is Action.MIGRATE:
+            self._log_migration(failure, req, room)
+        else:
+            log.warning("attempt failed; failing over", room=room, attempt=req.attempts, error=str(failure)[:500],
+                        request_status=status.value, tokens_sent=len(req.progress.generated))
 
     def _judge_pair(self, failure: WorkerFailure, prefill: Worker | None, decode: Worker, produced: bool,
                     deadline: float) -> None:
@@ -288,11 +296,11 @@ class Orchestrator:
         if self.metrics is not None:
             self.metrics.inc(self.metrics.router_pair_failures, prefill=prefill.addr, decode=decode.addr)
 
-    def _log_migration(self, failure: WorkerFailure, room: int, number: int, migrations: int,
-                       progress: Progress) -> None:
+    def _log_migration(self, failure: WorkerFailure, req: RequestState, room: int) -> None:
         reason = migration_reason(failure)
         if self.metrics is not None:
             self.metrics.inc(self.metrics.router_migrations, reason=reason)
-        log.warning("migrating request", reason=reason, room=room, attempt=number, migration=migrations,
+        log.warning("migrating request", reason=reason, room=room, attempt=req.attempts, migration=req.budget.migrations,
                     max_migrations=self.max_migrations, from_decode=failure.worker.addr,
-                    generated=len(progress.generated), remaining=progress.remaining, error=str(failure)[:300])
+                    generated=len(req.progress.generated), remaining=req.progress.remaining,
+                    error=str(failure)[:300])

@@ -54,6 +54,7 @@ from services.common.metrics import Metrics
 from services.router.discovery import Resolver, resolve_specs, split_host_port, system_resolver
 from services.router.errors import no_healthy_workers
 from services.router.lane import LaneStub
+from services.router.leases import Lease, Ledger, PairLease
 from services.router.pair_health import PairHealth
 from services.router.policy import CacheThresholds, make_policy
 from services.router.prefix_index import PrefixIndex, RequestKeys
@@ -103,6 +104,10 @@ class Worker:
 
     def __repr__(self) -> str:
         return f"{self.role}:{self.addr}"
+
+    def _count_inflight(self, delta: int) -> None:
+        # the one place the count changes: a Lease (WorkerPool.reserve) takes and gives it back
+        self.inflight += delta
 
 
 def load_of(w: Worker) -> int:
@@ -174,6 +179,7 @@ class WorkerPool:
         self._background: set[asyncio.Task] = set()
         self._watchers: set[Callable[[Worker], None]] = set()
         self._share_full_logged = False
+        self.leases = Ledger()  # the in-flight counts handed out by reserve() and not yet released
 
     @property
     def workers(self) -> list[Worker]:
@@ -434,20 +440,26 @@ class WorkerPool:
         return max((min(w.capacity_tokens, w.max_model_len or w.capacity_tokens)
                     for w in self.decodes if w.healthy and w.capacity_tokens), default=None)
 
+    def reserve(self, worker: Worker) -> Lease:
+        """One in-flight count on `worker` (its load for the policies and the other router
+        processes), held until the lease is released (exactly once, services/router/leases.py)."""
+        return Lease(worker._count_inflight, 1, self.leases)
+
     def has_healthy_pair(self) -> bool:
         return (self.colocated or any(w.healthy for w in self.prefills)) and any(w.healthy for w in self.decodes)
 
     async def choose_pair(
         self, exclude: Iterable[Worker] = (), prefill: Worker | None = None, prompt: RequestKeys | None = None,
-    ) -> tuple[Worker | None, Worker]:
+    ) -> PairLease:
         """A healthy (prefill, decode), avoiding `exclude` when another healthy worker exists;
         colocated: (None, decode). `prefill`: take that prefill while it is healthy and not
         excluded (the n choices of one request share one prefill, services/router/fanout.py).
         `prompt`: the ids the pair will be sent (cache_aware reads the index with them; both
         chosen workers are then recorded as holding them).
 
-        The pair comes reserved: each worker's `inflight` is already counted (with no await between
-        choosing and counting, so concurrent requests see each other's load); the caller releases it.
+        The pair comes reserved: a lease on each worker's in-flight count, taken with no await
+        between choosing and counting (so concurrent requests see each other's load); the caller
+        releases it (`PairLease.release()`, idempotent).
         """
         excluded = set(exclude)
         roles = (("decode", self.decodes),) if self.colocated else (("prefill", self.prefills), ("decode", self.decodes))
@@ -472,15 +484,16 @@ class WorkerPool:
             good = self.pairs.unmarked(prefill, decodes)
             if good:
                 decode = self._policies["decode"].choose(good, load_of, match)
+        prefill_lease = None
         if prefill is not None:
-            prefill.inflight += 1
+            prefill_lease = self.reserve(prefill)
             self.pairs.touch(prefill, decode)
-        decode.inflight += 1
+        decode_lease = self.reserve(decode)
         if match is not None:
             for w in (prefill, decode):
                 if w is not None:
                     self.remember(w, prompt)
-        return prefill, decode
+        return PairLease(prefill, decode, prefill_lease, decode_lease)
 
     def remember(self, w: Worker, ids: RequestKeys) -> None:
         """`w` was sent `ids` (a prompt; on decode, after the request, its prompt + reply): its

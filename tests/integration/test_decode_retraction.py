@@ -10,6 +10,7 @@ import random
 import grpc
 import pytest
 
+from services.common.refusal import Refusal, refusal_of
 from services.common.sampling_params import SamplingParams
 from services.engine.kv_pool import KVPool
 from services.engine.loader import load_model
@@ -68,6 +69,7 @@ def test_a_context_that_outgrows_the_whole_pool_fails_clearly(mesh):
     out = asyncio.run(generate(p.grpc_addr, d.grpc_addr, list(range(100)), params, timeout=30))
     assert out.decode_error is not None and out.decode_error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "KV pages" in out.decode_error.details()
+    assert refusal_of(out.decode_error) is Refusal.KV_CAPACITY  # what the router acts on: the code
     mesh.assert_invariants()
     assert d.metrics()["pdmesh:num_retracted_requests_total"] == 0
 

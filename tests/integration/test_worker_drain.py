@@ -13,6 +13,7 @@ import grpc
 import httpx
 import pytest
 
+from services.common.refusal import Refusal, refusal_of
 from services.common.sampling_params import SamplingParams
 from tests.integration.mesh import wait_for
 from tests.integration.worker_client import generate
@@ -42,6 +43,7 @@ def test_a_stopping_decode_finishes_its_stream_and_refuses_new_ones(mesh):
     late = asyncio.run(generate(p.grpc_addr, d.grpc_addr, list(range(50, 60)), params, timeout=20))
     assert late.decode_error is not None and late.decode_error.code() == grpc.StatusCode.UNAVAILABLE, late
     assert "stopping" in late.decode_error.details()
+    assert refusal_of(late.decode_error) is Refusal.DRAINING
     assert d.metrics()["pdmesh:up"] == 0  # scrapes still answer, and say it no longer serves
     runner.join(60)
     held = box["held"]

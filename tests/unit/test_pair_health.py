@@ -88,9 +88,9 @@ def choose(pool: WorkerPool, n: int) -> list[tuple[str, str]]:
     async def run():
         out = []
         for _ in range(n):
-            p, d = await pool.choose_pair()
-            p.inflight -= 1
-            d.inflight -= 1
+            pair = await pool.choose_pair()
+            pair.release()
+            p, d = pair
             out.append((p.addr, d.addr))
         return out
 

@@ -102,7 +102,10 @@ class Cluster:
         wait_for(
             lambda: all(w.seen.active == 0 for w in workers)
             and self.router.active == 0
-            and all(w.inflight == 0 for w in self.router.pool.workers),
+            and all(w.inflight == 0 for w in self.router.pool.workers)
+            # every lease taken was released (services/router/leases.py)
+            and self.router.admissions.outstanding == 0
+            and self.router.pool.leases.outstanding == 0,
             timeout,
             f"all RPCs to end: {[(w.role, w.seen.active) for w in workers]}, router active {self.router.active}",
         )

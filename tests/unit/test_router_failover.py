@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from services.common.builtin_tokenizer import BuiltinTokenizer
+from services.common.refusal import Refusal
 from tests.fake_workers import Behaviour
 from tests.unit.test_router_app import MODEL, Cluster, completion, post, sse_payloads, wait_for
 
@@ -205,21 +206,42 @@ def test_only_decode_ejected_is_503_at_once(make):
 
 # --- capacity refusals -----------------------------------------------------------------------------
 
-REFUSAL = "prompt of 3 tokens needs more KV pages than this worker has"
+# a capacity refusal is known by its code, whatever its words (services/common/refusal.py)
+CAPACITY = dict(mode="fail", code=grpc.StatusCode.INVALID_ARGUMENT, refusal=Refusal.KV_CAPACITY,
+                details="this worker's pool is too small")
 
 
-def test_capacity_refusal_is_retried_on_another_decode(make):
-    c = make(n_decode=2)
-    c.decodes[0].behaviour = Behaviour(mode="fail", code=grpc.StatusCode.INVALID_ARGUMENT, details=REFUSAL)
+@pytest.mark.parametrize("lane", [True, False], ids=["lane", "one_rpc_per_call"])
+def test_capacity_refusal_is_retried_on_another_decode(make, lane):
+    c = make(n_decode=2, worker_lane=lane)  # the code travels in LaneEnd, or in the RPC's trailing metadata
+    c.decodes[0].behaviour = Behaviour(**CAPACITY)
     r = post(c, "/v1/completions", completion(prompt=PROMPT))
     assert r.status_code == 200 and len(c.decodes[1].seen.rooms) == 1
+    c.all_rpcs_ended()
+
+
+def test_too_long_for_one_worker_is_retried_on_another_decode(make):
+    c = make(n_decode=2)
+    c.decodes[0].behaviour = Behaviour(**{**CAPACITY, "refusal": Refusal.TOO_LONG})
+    r = post(c, "/v1/completions", completion(prompt=PROMPT))
+    assert r.status_code == 200 and len(c.decodes[1].seen.rooms) == 1
+    c.all_rpcs_ended()
+
+
+def test_the_capacity_sentence_without_its_code_is_a_400_at_once(make):
+    c = make(n_decode=2)
+    c.decodes[0].behaviour = Behaviour(mode="fail", code=grpc.StatusCode.INVALID_ARGUMENT,
+                                       details="prompt of 3 tokens needs more KV pages than this worker has")
+    r = post(c, "/v1/completions", completion(prompt=PROMPT))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", r.text
+    assert [len(d.seen.rooms) for d in c.decodes] == [1, 0]
     c.all_rpcs_ended()
 
 
 def test_capacity_refusal_everywhere_is_400(make):
     c = make(n_decode=2)
     for d in c.decodes:
-        d.behaviour = Behaviour(mode="fail", code=grpc.StatusCode.INVALID_ARGUMENT, details=REFUSAL)
+        d.behaviour = Behaviour(**CAPACITY)
     r = post(c, "/v1/completions", completion(prompt=PROMPT))
     assert r.status_code == 400 and r.json()["error"]["code"] == "kv_capacity_exceeded", r.text
     assert [len(d.seen.rooms) for d in c.decodes] == [1, 1]

@@ -156,14 +156,13 @@ async def _each_process_sees_the_others_load_and_ejections(tmp_path):
     a, b = await _pools(tmp_path, prefill, decode)
     try:
         assert all(w.healthy for w in (*a.workers, *b.workers))
-        p, d = await a.choose_pair()
-        p2, d2 = await a.choose_pair()
+        first, second = await a.choose_pair(), await a.choose_pair()
         a.share()
         b.share()
         bd = b.decodes[0]
         assert (bd.inflight, bd.peer_inflight, load_of(bd)) == (0, 2, 2)
-        d.inflight -= 2
-        p.inflight -= 2
+        first.release()
+        second.release()
         a.share()
         b.share()
         assert load_of(bd) == 0

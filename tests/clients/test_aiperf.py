@@ -51,8 +51,10 @@ def test_aiperf_streaming_multi_turn_with_cancellations(pd_router, tmp_path, siz
         "--conversation-turn-stddev", "0", "--concurrency", str(prof["concurrency"]),
         "--request-cancellation-rate", str(prof["cancel_pct"]), "--request-cancellation-delay", "0.05",
         "--isl", str(prof["isl"]), "--osl", str(prof["osl"]), "--random-seed", "1",
+        # one worker process (it keeps `concurrency` requests in flight on its event loop): each
+        # AIPerf service is a process of its own, and starting them is most of a short run's CPU
         "--ui", "none", "--artifact-dir", str(out_dir), "--no-server-metrics", "--no-gpu-telemetry",
-        "--workers-max", "2", "--record-processors", "1", "--request-timeout-seconds", "120",
+        "--workers-max", "1", "--record-processors", "1", "--request-timeout-seconds", "120",
     ], tmp_path, timeout=840 if size == "long" else 360, env={"HF_HUB_DISABLE_TELEMETRY": "1"})
 
     summary = json.loads((out_dir / "profile_export_aiperf.json").read_text())

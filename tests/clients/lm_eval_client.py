@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+from services.common.tokenizer import BUILTIN_MODEL_DIR
 from tests.clients.clients_venv import CLIENTS_BIN, run_client
 from tests.integration.mesh import Proc
 
@@ -16,8 +17,6 @@ MODEL = "pdmesh-tiny"
 
 def completions_run(router: Proc, tasks: list[str], batch_size: int) -> dict:
     """local-completions with the checkpoint's own tokenizer (prompts go out as token ids)."""
-    from services.common.tokenizer import BUILTIN_MODEL_DIR
-
     args = (f"model={MODEL},base_url={router.http_url}/v1/completions,tokenizer_backend=huggingface,"
             f"tokenizer={BUILTIN_MODEL_DIR},max_retries=1")
     return {"model": "local-completions", "model_args": args, "tasks": tasks, "batch_size": batch_size}

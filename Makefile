@@ -13,7 +13,7 @@ PROTO_STAMP := $(PROTO_OUT)/.stamp
 # The one configuration file shared with docker compose (docs/deploy.md).
 ENV_FILE ?= deploy/pdmesh.env
 
-.PHONY: run test long-test compose-test hosts-test chaos chaos-three chaos-hosts bench bench-router bench-serve gpu-check proto lint venv venv-dev clean
+.PHONY: run test long-test compose-test clients-test hosts-test chaos chaos-three chaos-hosts bench bench-router bench-serve gpu-check proto lint venv venv-dev clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,21 +40,30 @@ run: venv proto
 	set -a && . ./$(ENV_FILE) && set +a && exec $(PY) -m services.mesh
 
 # tests/compose (containers) runs as its own step, compose-test, which skips with a message when
-# this machine has no container engine. Test files run on TEST_WORKERS processes (pytest-xdist,
+# this machine has no container engine; tests/clients (real clients from their own venv) runs as
+# clients-test's short form. Test files run on TEST_WORKERS processes (pytest-xdist,
 # one file per process at a time, so a module's shared mesh stays in one process): most of an
 # integration test's time is spent waiting on deadlines, not computing. TEST_WORKERS=0 runs serially.
 TEST_WORKERS ?= 2
 test: venv-dev proto
 	@scripts/ensure_test_tools.sh
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not long" tests --ignore=tests/compose
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not long" tests --ignore=tests/compose --ignore=tests/clients
 	@scripts/compose_test.sh
+	@scripts/clients_test.sh --short
 
 # The long scenarios `make test` leaves out (minutes each): the hosts soak with partitions and the
 # schemathesis walk of the OpenAPI surface (pytest -m long; `make test` runs their short forms:
 # the small soak, the hosts tests, the router's API tests).
 long-test: venv-dev proto
 	@scripts/ensure_test_tools.sh
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m long tests --ignore=tests/compose
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m long tests --ignore=tests/compose --ignore=tests/clients
+
+# pdmesh with real clients (tests/clients, docs/clients.md): lm-evaluation-harness (generate_until
+# and multiple choice against transformers) and AIPerf (streaming, multi-turn, cancellations), all
+# of them, long runs included; `make test` runs the short form. The clients' venv, .venv-clients,
+# is built from requirements-clients.txt on first use.
+clients-test: venv-dev proto
+	@scripts/clients_test.sh
 
 # pdmesh in containers: build the image, compose up (CPU override), serve, scrape, pause, kill,
 # down (docs/deploy.md, "Tests"). Docker with Compose >= 2.24.4, or podman + podman-compose.

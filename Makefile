@@ -45,9 +45,13 @@ run: venv proto
 # one file per process at a time, so a module's shared mesh stays in one process): most of an
 # integration test's time is spent waiting on deadlines, not computing. TEST_WORKERS=0 runs serially.
 TEST_WORKERS ?= 2
+# The clients' venv is built in the background meanwhile (its log: .venv-clients.build.log).
 test: venv-dev proto
 	@scripts/ensure_test_tools.sh
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not long" tests --ignore=tests/compose --ignore=tests/clients
+	@scripts/clients_test.sh --build-only > .venv-clients.build.log 2>&1 & build=$$!; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not long" tests --ignore=tests/compose --ignore=tests/clients \
+		|| { wait $$build; exit 1; }; \
+	wait $$build || { echo "building .venv-clients failed:"; tail -30 .venv-clients.build.log; exit 1; }
 	@scripts/compose_test.sh
 	@scripts/clients_test.sh --short
 

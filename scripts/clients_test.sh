@@ -13,11 +13,14 @@ PY=.venv/bin/python
 CLIENTS=.venv-clients
 PYTHON="${PYTHON:-python3}"
 
+# --build-only: build the venv and stop (make test builds it in the background while the main
+# suite runs, since pip spends most of that time downloading, not computing).
 marker=()
-if [ "${1:-}" = --short ]; then
-    marker=(-m "not long")
-    shift
-fi
+build_only=0
+case "${1:-}" in
+    --short) marker=(-m "not long"); shift ;;
+    --build-only) build_only=1; shift ;;
+esac
 
 stamp="$CLIENTS/.stamp-$(sha1sum requirements-clients.txt | cut -c1-12)"
 if [ ! -e "$stamp" ]; then
@@ -30,4 +33,5 @@ if [ ! -e "$stamp" ]; then
     touch "$stamp"
     echo "clients-test: $CLIENTS built in $(( $(date +%s) - start ))s" >&2
 fi
+[ "$build_only" = 1 ] && exit 0
 exec "$PY" -m pytest -q "${marker[@]}" tests/clients "$@"

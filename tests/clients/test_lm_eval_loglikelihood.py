@@ -10,10 +10,9 @@ it for chat, as chat completions have no prompt logprobs.)
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
-from tests.clients.lm_eval_client import MODEL, completions_run, run_lm_eval, task_docs
+from tests.clients.lm_eval_client import completions_run, run_lm_eval, task_docs
 from tests.clients.reference import continuation_logprob, hf_model_and_tokenizer
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
@@ -21,18 +20,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 TASK = "pdmesh_choice"
 
 
-def require_prompt_logprobs(router) -> None:
-    """Skip, naming the reason, only where the router refuses prompt logprobs outright (issue #25,
-    item 1 not merged yet); any other answer runs the test."""
-    r = httpx.post(router.http_url + "/v1/completions", timeout=30, json={
-        "model": MODEL, "prompt": "Return the", "echo": True, "logprobs": 1, "max_tokens": 1})
-    if r.status_code == 400 and "not supported" in r.text and "echo" in r.text:
-        pytest.skip(f"the router refuses prompt logprobs (echo + logprobs): {r.text}")
-
-
 def test_multiple_choice_accuracy_equals_transformers(pd_router, tmp_path):
     m, router = pd_router
-    require_prompt_logprobs(router)
     docs = task_docs(TASK)
     (out,) = run_lm_eval([completions_run(router, [TASK], batch_size=2)], tmp_path)
     samples = sorted(out["samples"][TASK], key=lambda s: s["doc_id"])

@@ -13,7 +13,7 @@ version 1's protocol.
 
 from __future__ import annotations
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: refusal codes, prompt logprobs, epoch and page size in Load
 MIN_PEER_VERSION = 0
 
 

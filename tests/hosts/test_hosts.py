@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -405,5 +406,70 @@ def test_partial_partition_marks_only_its_pair_and_the_others_serve(net):
         m.assert_invariants(timeout=30)
     finally:
         topo.links.heal()
+        rc.kill()
+        m.procs.remove(rc)
+
+
+def test_partial_partition_cut_under_load_fails_no_request(net):
+    """Four clients keep requests flowing across every pair when p1 <-> d1 is cut: no request
+    fails (those in flight on the cut pair fail over once decode's heartbeats or the canary see
+    the cut), none waits longer than that detection plus a new attempt, the pair is marked and
+    gets no attempt after that, p1 and d1 keep serving through their other peers; then heal."""
+    m, topo, w = net
+    p1, p2, d1, d2 = w["p1"], w["p2"], w["d1"], w["d2"]
+    rc = m.start_router("router", [p1, p2], [d1, d2], *ROUTER_FLAGS, "--policy", "round_robin",
+                        "--canary-interval", str(CANARY_INTERVAL), "--canary-timeout", str(CANARY_TIMEOUT),
+                        "--pair-hold", "0", port=8003)
+    cut = (p1.grpc_addr, d1.grpc_addr)
+    results: list[tuple[int, float]] = []
+    stop = threading.Event()
+
+    def client(i: int) -> None:
+        k = 0
+        while not stop.is_set():
+            t = time.monotonic()
+            code = complete(rc, f"cut under load {i} {k}", max_tokens=8, timeout=60).status_code
+            results.append((code, time.monotonic() - t))
+            k += 1
+
+    def marked() -> set[tuple[str, str]]:
+        text = rc.get("/metrics").text
+        return {(lb["prefill"], lb["decode"]) for lb, v in labelled_samples(text, "pdmesh:router_pair_marked") if v}
+
+    threads = [in_background(lambda i=i: client(i))[0] for i in range(4)]
+    try:
+        wait_for(lambda: len(results) >= 8 and cut in attempts_in_log(rc.log()), 60, "load through every pair")
+        topo.links.partition("p1", "d1")
+        t0 = time.monotonic()
+        wait_for(lambda: marked() == {cut}, 2 * CANARY_INTERVAL + CANARY_TIMEOUT + 10, "p1-d1 marked under load",
+                 poll=0.1)
+        t_mark = time.monotonic() - t0
+        after_mark = len(attempts_in_log(rc.log()))
+        served = len(results)
+        wait_for(lambda: len(results) >= served + 16, 90, "requests served while the pair stays cut")
+        stop.set()
+        for t in threads:
+            t.join(90)
+        assert [c for c, _ in results if c != 200] == [], results
+        pairs = attempts_in_log(rc.log())
+        # attempts that began before the mark was seen may still be on the cut pair; none after
+        assert cut not in pairs[after_mark + 4:], pairs[after_mark:]
+        late = pairs[after_mark:]
+        assert (p1.grpc_addr, d2.grpc_addr) in late and (p2.grpc_addr, d1.grpc_addr) in late, late
+        worst = max(s for _, s in results)
+        # decode sees a silent prefill within heartbeat-interval x max-failures (1.5 s), the
+        # canary within its timeout; the request then runs once more on another pair
+        assert worst < CANARY_TIMEOUT + 15, worst
+        topo.links.heal()
+        wait_for(lambda: not marked(), CANARY_INTERVAL + CANARY_TIMEOUT + 5, "the healed pair cleared", poll=0.1)
+        RESULTS["partial_partition_under_load"] = {
+            "requests": len(results), "failed": 0, "mark_after_cut_s": round(t_mark, 2),
+            "max_request_s": round(worst, 2)}
+        m.assert_invariants(timeout=30)
+    finally:
+        stop.set()
+        topo.links.heal()
+        for t in threads:
+            t.join(90)
         rc.kill()
         m.procs.remove(rc)

@@ -29,8 +29,9 @@ def test_a_plain_template_renders():
     ("{{ [1] * 10000000000 }}", "too long"),
     ("{{ 10 ** 100000000 }}", "too large"),
     ("{% set ns = namespace(x='ab') %}{% for i in range(40) %}{% set ns.x = ns.x + ns.x %}{% endfor %}", "too long"),
+    # the memory bound, or on a loaded machine the time bound if it comes first (copying ~1 GB)
     ("{% set ns = namespace(x='ab') %}{% for i in range(40) %}{% set ns.x = ns.x ~ ns.x %}{% endfor %}",
-     "memory"),
+     ("memory", "longer than")),
     ("{{ '' ~ messages.__class__.__mro__ }}", None),
 ])
 def test_a_hostile_template_is_stopped(template, why):
@@ -40,7 +41,7 @@ def test_a_hostile_template_is_stopped(template, why):
         assert "__mro__" not in x
         raise ChatTemplateError("rendered")  # the sandbox rendered it harmlessly
     if why:
-        assert why in str(err.value)
+        assert any(w in str(err.value) for w in ((why,) if isinstance(why, str) else why)), err.value
     assert time.monotonic() - t0 < 10
 
 

@@ -55,9 +55,12 @@ test: venv-dev proto
 	@scripts/compose_test.sh
 	@scripts/clients_test.sh --short
 
-# The long scenarios `make test` leaves out (minutes each): the hosts soak with partitions and the
-# schemathesis walk of the OpenAPI surface (pytest -m long; `make test` runs their short forms:
-# the small soak, the hosts tests, the router's API tests).
+# The long scenarios `make test` leaves out (pytest -m long, a minute or more each): the hosts
+# soak with partitions, the schemathesis walk of the OpenAPI surface, the 2P+2D kill-and-freeze
+# under load, the seeded migration, fifty random JSON schemas, the held-out perplexity, the cut
+# under load across hosts. `make test` runs their short forms (the small soak, the hosts tests,
+# the router's API tests, 2P+2D with one of each killed, the greedy migration, ten schemas, greedy
+# output against transformers).
 long-test: venv-dev proto
 	@scripts/ensure_test_tools.sh
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m long tests --ignore=tests/compose --ignore=tests/clients

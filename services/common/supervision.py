@@ -24,7 +24,7 @@ from services.common.logging_setup import get_logger
 
 EXIT_TASK_ENDED = 70  # EX_SOFTWARE: an internal task ended; restart me
 CRASH_AFTER = 0.5  # crash_task fault: seconds after start
-EXIT_GRACE = 0.3  # NOT_SERVING is visible this long before the process goes
+EXIT_GRACE = 1.0  # NOT_SERVING is visible this long before the process goes (a probe every second sees it)
 
 
 class ServingState:

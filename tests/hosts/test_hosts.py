@@ -410,6 +410,7 @@ def test_partial_partition_marks_only_its_pair_and_the_others_serve(net):
         m.procs.remove(rc)
 
 
+@pytest.mark.long
 def test_partial_partition_cut_under_load_fails_no_request(net):
     """Four clients keep requests flowing across every pair when p1 <-> d1 is cut: no request
     fails (those in flight on the cut pair fail over once decode's heartbeats or the canary see

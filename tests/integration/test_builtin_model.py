@@ -203,6 +203,7 @@ def held_out_ids(limit: int) -> list[int]:
     return ids[: limit + 1]
 
 
+@pytest.mark.long  # make test's short form: greedy output equal to transformers' (above)
 def test_held_out_perplexity_through_the_mesh_equals_transformers(run):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

@@ -142,6 +142,7 @@ def reference(prompts: list[str], max_tokens: int) -> dict[str, str]:
     return {p: TOK.decode(g.token_ids) for p, g in zip(prompts, out, strict=True)}
 
 
+@pytest.mark.long  # make test's short form: test_router_mesh.py's 2P+2D kill of one of each under load
 def test_two_by_two_kill_and_freeze_under_load_loses_nothing(tmp_path):
     m = Mesh(tmp_path)
     try:

@@ -116,7 +116,8 @@ def revive(m: Mesh, r, proc, ds: list) -> None:
              20, "the router to re-admit the restarted decode")
 
 
-@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+# the seeded run is long-test's (make test's short form: the greedy one)
+@pytest.mark.parametrize("sampling", ["greedy", pytest.param("seeded", marks=pytest.mark.long)])
 def test_sigkill_mid_stream_migrates_seamlessly(mesh3, references, sampling):
     m, p, ds, r = mesh3
     kw = {"temperature": 0} if sampling == "greedy" else {"temperature": 0.8, "seed": 1234}

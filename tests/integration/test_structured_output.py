@@ -84,12 +84,21 @@ def _one_schema(r, seed: int) -> list[str]:
     return problems
 
 
-def test_fifty_random_schemas_validate_streamed_and_not(mesh):
+def _random_schemas(mesh, count: int) -> None:
     m, p, d, r = mesh
     with ThreadPoolExecutor(8) as pool:
-        problems = [x for found in pool.map(lambda s: _one_schema(r, s), range(SCHEMAS)) for x in found]
+        problems = [x for found in pool.map(lambda s: _one_schema(r, s), range(count)) for x in found]
     assert not problems, "\n".join(problems)
     m.assert_invariants()
+
+
+def test_ten_random_schemas_validate_streamed_and_not(mesh):
+    _random_schemas(mesh, 10)  # make test's short form of the fifty below
+
+
+@pytest.mark.long
+def test_fifty_random_schemas_validate_streamed_and_not(mesh):
+    _random_schemas(mesh, SCHEMAS)
 
 
 @pytest.mark.parametrize("stream", [False, True])

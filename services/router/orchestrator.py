@@ -177,6 +177,11 @@ class Orchestrator:
         held: PairLease | None = None  # a pair chosen but not yet owned by an attempt
         completed = False
         ended = "closed"  # how the request ended, for its state: set where it ends
+        # conditional disaggregation (services/router/conditional_disagg.py): not for a choice
+        # sharing one prefill (its choices would each compute the prompt), nor for prompt
+        # logprobs (decode would compute the whole prompt for them); after a local attempt
+        # failed, the request goes through prefill
+        allow_local = spec.worker_prompt_logprobs is None
         try:
             while True:
                 if loop.time() >= deadline:
@@ -191,8 +196,12 @@ class Orchestrator:
                 sharing = req.sharing
                 ids = progress.ids()
                 prompt = RequestKeys(ids) if self.pool.cache_aware else None  # hashed once, for both roles
-                held = await self.pool.choose_pair(req.exclude, share.prefill if sharing else None, prompt)
+                held = await self.pool.choose_pair(req.exclude, share.prefill if sharing else None, prompt,
+                                                   allow_local=allow_local and not sharing)
                 prefill, decode = held
+                path = "colocated" if self.pool.colocated else "local" if prefill is None else "pd"
+                if path == "local" and self.metrics is not None:
+                    self.metrics.inc(self.metrics.router_local_prefill_requests)
                 if sharing and share.prefill is None:
                     share.prefill = prefill  # the first choice to get here picks it for all
                 share_key = share.key if sharing and prefill is not None and prefill is share.prefill else 0
@@ -211,8 +220,8 @@ class Orchestrator:
                     attempt = Attempt(self.pool, self.reap, held, room, ids, params, deadline,
                                       self.stall_timeout, share_key)
                     held = None  # the attempt releases the pair's leases from now on
-                    log.info("attempt", attempt=req.attempts, prefill=prefill.addr if prefill else "colocated",
-                             decode=decode.addr, status=req.status.value,
+                    log.info("attempt", attempt=req.attempts, prefill=prefill.addr if prefill else path,
+                             decode=decode.addr, path=path, status=req.status.value,
                              prompt_tokens=len(ids), max_tokens=progress.remaining, resumed_at=len(progress.generated))
                 try:
                     while True:
@@ -235,6 +244,8 @@ class Orchestrator:
                 except WorkerFailure as failure:
                     attempt.close()
                     attempt = None
+                    if path == "local":
+                        allow_local = False
                     self.pool.report_failure(failure.worker, failure.code)
                     self._recover(req, failure, room, prefill, decode, deadline, timeout)
         except APIError as e:

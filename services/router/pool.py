@@ -51,12 +51,12 @@ from services.common.grpc_server import internal_channel
 from services.common.logging_setup import get_logger
 from services.common.mesh_protocol import MIN_PEER_VERSION, PROTOCOL_VERSION, incompatibility
 from services.common.metrics import Metrics
+from services.router.conditional_disagg import goes_local
 from services.router.discovery import Resolver, resolve_specs, split_host_port, system_resolver
 from services.router.errors import no_healthy_workers
 from services.router.lane import LaneStub
 from services.router.leases import Lease, Ledger, PairLease
 from services.router.pair_health import PairHealth
-from services.router.conditional_disagg import goes_local
 from services.router.policy import CacheThresholds, make_policy
 from services.router.prefix_index import PrefixIndex, RequestKeys
 from services.router.shared_state import MAX_WORKERS, PeerView, SharedState, worker_key

@@ -124,7 +124,8 @@ DECODE_FLAGS = [
     Flag("http-port", int, 8082, "HTTP port (/metrics, /health)"),
     Flag("max-running-requests", int, 64, "largest decode batch"),
     Flag("chunked-prefill-size", int, 512,
-         "token budget of one local prefill forward for colocated requests (router --mode colocated): "
+         "token budget of one local prefill forward for colocated requests (router --mode colocated, or a "
+         "PD router's conditional disaggregation, --local-prefill-max-tokens): "
          "longer prompts are chunked between decode steps"),
     Flag("prealloc-timeout", float, 300.0, "seconds a request may wait in the prealloc queue for KV pages"),
     Flag("transfer-timeout", float, 60.0, "seconds from prefill's forward-done signal until the KV must have arrived"),

@@ -19,6 +19,11 @@
   KV_CAPACITY or TOO_LONG, services/common/refusal.py) is skipped and the request tries the
   others; when every healthy worker of that role has refused, the client gets a 400 saying so.
 
+- **Conditional disaggregation.** An attempt whose pair has no prefill in PD mode (the pool
+  found its decode holding all but a short tail, services/router/conditional_disagg.py) asks
+  decode to compute the tail itself (`path="local"` on the attempt line); if it fails, the
+  request's next attempts go PD.
+
 Other INVALID_ARGUMENT refusals are a 400 at once; the request deadline is a 504. Which of these
 follows a failure is services/router/recovery_policy.py's decision over the request object's
 status (services/router/request_state.py); this module carries it out.

@@ -31,6 +31,10 @@
   the worker's epoch (new at every start) and its prefix cache's page size: a new epoch means
   an empty cache, so the worker's entries go at once, even when no request failed; an ejected
   or retired worker's entries go too.
+- Conditional disaggregation (`local_prefill_max_tokens`, PD + cache_aware only): when the
+  decode the policy picks holds all but a short tail of the prompt, `choose_pair` returns
+  (None, decode) for a request that allows it, and decode computes the tail itself
+  (services/router/conditional_disagg.py).
 """
 
 from __future__ import annotations

@@ -100,3 +100,46 @@ def test_colocated_mode_is_unchanged():
     pool = pool_of(0, 1, colocated=True, local_prefill_max_tokens=512)
     assert pool.local_prefill_max_tokens == 0
     assert route(pool, conversation(10)) == (None, pool.decodes[0])
+
+
+# --- through the router app, against scripted gRPC workers (tests/fake_workers.py) ---------------
+
+
+def test_a_held_prompt_goes_local_and_a_failed_local_attempt_goes_pd():
+    import grpc
+
+    from tests.fake_workers import Behaviour
+    from tests.unit.test_router_app import Cluster, post
+
+    c = Cluster()
+    try:
+        for w in (*c.prefills, *c.decodes):
+            w.prefix_cache_page_size = P
+        c.call(c.router.pool.probe_all())  # the page size is known before the first request
+        prefill, decode = c.prefills[0], c.decodes[0]
+        body = {"model": "pdmesh-tiny", "prompt": list(range(10, 50)), "max_tokens": 3, "ignore_eos": True}
+
+        def send() -> None:
+            resp = post(c, "/v1/completions", body)
+            assert resp.status_code == 200, resp.text
+
+        send()  # nothing held yet: PD
+        assert len(prefill.seen.requests) == 1 and not decode.seen.requests[-1].colocated
+        send()  # decode holds the prompt (and its reply) now: decode alone
+        assert len(prefill.seen.requests) == 1
+        last = decode.seen.requests[-1]
+        assert last.colocated and not last.prefill_addr
+        # prompt logprobs make decode compute the whole prompt: PD (the fake prefill sends none,
+        # so the request fails; that it went to prefill is what counts here)
+        seen = len(decode.seen.requests)
+        post(c, "/v1/completions", {**body, "prompt_logprobs": 1})
+        assert len(prefill.seen.requests) > 1 and not any(r.colocated for r in decode.seen.requests[seen:])
+        before = len(prefill.seen.requests)
+        decode.behaviour = Behaviour(mode="fail", code=grpc.StatusCode.UNAVAILABLE, times=1)
+        send()  # the local attempt fails; the fail-over goes PD
+        assert [r.colocated for r in decode.seen.requests[-2:]] == [True, False]
+        assert len(prefill.seen.requests) == before + 1
+        local = c.router.metrics.router_local_prefill_requests.labels(**c.router.metrics.labels)._value.get()
+        assert local == 2
+    finally:
+        c.close()

@@ -10,11 +10,18 @@ that each one's worker counters are its own.
 Per turn it records, from the client: time to first token (streamed), prompt tokens and
 `usage.prompt_tokens_details.cached_tokens`; from the workers' metrics: prompt tokens prefill
 computed (`prompt_tokens_total`) and KV bytes sent (`kv_transfer_bytes_sum`). Two meshes run the
-same conversations in the same run, one pair each: `--prefix-cache on` and `off`; with
---colocated a third, colocated with the cache on (decode computes prompts itself, nothing moves).
+same conversations in the same run, one pair each: `--prefix-cache on` and `off`, both with
+conditional disaggregation off (router --local-prefill-max-tokens 0: every turn through prefill,
+so the reuse figures are prefill's and the transfer's own); then the cache-on pair again, its
+caches emptied (POST /reset_prefix_cache), behind a router with conditional disaggregation on
+(`pd_cache_on_local`, --local-prefill-max-tokens N): a turn whose uncached part is at most N
+tokens goes to decode alone (`local` counts them; their prompt is computed on decode, so prefill's
+computed tokens and the KV bytes are 0). With --colocated a fourth, colocated with the cache on
+(decode computes prompts itself, nothing moves).
 
 Usage: python bench/multiround.py [--conversations 2] [--turns 16] [--user-words 60]
-       [--max-tokens 24] [--seed 0] [--colocated] > bench/out/multiround.json
+       [--max-tokens 24] [--seed 0] [--local-prefill-max-tokens 512] [--colocated]
+       > bench/out/multiround.json
 """
 
 from __future__ import annotations
@@ -47,15 +54,16 @@ def conversation_turns(rng: random.Random, turns: int, user_words: int) -> list[
             for _ in range(turns)]
 
 
-def worker_counters(proc: Proc | None) -> tuple[float, float]:
+def worker_counters(router: Proc, proc: Proc | None) -> tuple[float, float, float]:
+    local = router.metrics().get("pdmesh:router_local_prefill_requests_total", 0.0)
     if proc is None:
-        return 0.0, 0.0
+        return 0.0, 0.0, local
     m = proc.metrics()
-    return m.get("pdmesh:prompt_tokens_total", 0.0), m.get("pdmesh:kv_transfer_bytes_sum", 0.0)
+    return m.get("pdmesh:prompt_tokens_total", 0.0), m.get("pdmesh:kv_transfer_bytes_sum", 0.0), local
 
 
 def one_turn(router: Proc, counted: Proc | None, messages: list[dict], max_tokens: int) -> dict:
-    before = worker_counters(counted)
+    before = worker_counters(router, counted)
     body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
@@ -75,13 +83,14 @@ def one_turn(router: Proc, counted: Proc | None, messages: list[dict], max_token
                     if ttft is None:
                         ttft = time.perf_counter() - t0
                     text.append(piece)
-    after = worker_counters(counted)
+    after = worker_counters(router, counted)
     return {
         "ttft_ms": round((ttft or 0.0) * 1e3, 2),
         "prompt_tokens": usage.get("prompt_tokens"),
         "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
         "computed_tokens": int(after[0] - before[0]) if counted is not None else None,
         "kv_bytes": int(after[1] - before[1]) if counted is not None else None,
+        "local": int(after[2] - before[2]),  # 1: sent to decode alone (conditional disaggregation)
         "reply": "".join(text),
     }
 
@@ -106,9 +115,9 @@ def summary(per_conv: list[list]) -> dict:
         vals = [conv[t][key] for conv in per_conv if conv[t][key] is not None]
         return statistics.median(vals) if vals else None
 
-    rows = [{k: median(k, t) for k in ("ttft_ms", "prompt_tokens", "cached_tokens", "computed_tokens", "kv_bytes")}
-            for t in range(turns)]
-    out = {"per_turn_median": rows}
+    keys = ("ttft_ms", "prompt_tokens", "cached_tokens", "computed_tokens", "kv_bytes")
+    rows = [{k: median(k, t) for k in keys} for t in range(turns)]
+    out = {"per_turn_median": rows, "local_turns": sum(rec["local"] for conv in per_conv for rec in conv)}
     if turns >= 2 and rows[1]["ttft_ms"]:
         out["last_over_second_ttft"] = round(rows[-1]["ttft_ms"] / rows[1]["ttft_ms"], 3)
     return out
@@ -121,6 +130,8 @@ def main() -> None:
     ap.add_argument("--user-words", type=int, default=60)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--local-prefill-max-tokens", type=int, default=512,
+                    help="the pd_cache_on_local router's threshold (conditional disaggregation)")
     ap.add_argument("--colocated", action="store_true", help="also a colocated decode with the cache on")
     args = ap.parse_args()
 
@@ -138,14 +149,21 @@ def main() -> None:
             for w in (p_on, d_on, p_off, d_off, c_on):
                 if w is not None:
                     m.wait_healthy(w)
+            no_local = ("--local-prefill-max-tokens", "0")  # reuse measured with every turn through prefill
             routers = {
-                "pd_cache_on": (m.start_router([p_on], [d_on], env=quiet), p_on),
-                "pd_cache_off": (m.start_router([p_off], [d_off], env=quiet), p_off),
+                "pd_cache_on": (m.start_router([p_on], [d_on], *no_local, env=quiet), p_on),
+                "pd_cache_off": (m.start_router([p_off], [d_off], *no_local, env=quiet), p_off),
+                "pd_cache_on_local": (m.start_router([p_on], [d_on], "--local-prefill-max-tokens",
+                                                     str(args.local_prefill_max_tokens), env=quiet), p_on),
             }
             if c_on is not None:
                 routers["colocated_cache_on"] = (m.start_router([], [c_on], "--mode", "colocated", env=quiet), None)
             results = {}
             for name, (router, counted) in routers.items():
+                if name == "pd_cache_on_local":  # the same workers as pd_cache_on: start from empty caches
+                    resp = httpx.post(router.http_url + "/reset_prefix_cache", timeout=30)
+                    if resp.status_code != 200:
+                        raise RuntimeError(f"reset_prefix_cache: HTTP {resp.status_code}: {resp.text[:300]}")
                 per_conv = run_mode(router, counted, convs, system, args.max_tokens)
                 results[name] = {**summary(per_conv), "conversations": per_conv}
         finally:

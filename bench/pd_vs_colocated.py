@@ -74,7 +74,7 @@ def start_meshes(tmp: pathlib.Path) -> dict:
     common = ("--request-timeout", "600", "--log-level", "warning")
     return {
         "mesh": m, "prefill": p,
-        "pd": m.start_router([p], [d], *common),
+        "pd": m.start_router([p], [d], *common, "--local-prefill-max-tokens", "0"),  # PD means every request through prefill
         "colocated": m.start_router([], [c], *common, "--mode", "colocated"),
     }
 

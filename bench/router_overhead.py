@@ -154,7 +154,7 @@ async def run(args, mesh: Mesh, tmp: pathlib.Path) -> dict:
     d = mesh.start_decode(wait=False)
     mesh.wait_healthy(p)
     mesh.wait_healthy(d)
-    r = mesh.start_router([p], [d], "--log-level", "warning")
+    r = mesh.start_router([p], [d], "--log-level", "warning", "--local-prefill-max-tokens", "0")  # its repeated prompt: always PD
     ids = [1] + [(7 * i) % 256 for i in range(args.prompt_tokens - 1)]
     router, direct = ViaRouter(r.http_url, args.concurrency), Direct(p.grpc_addr, d.grpc_addr)
     try:

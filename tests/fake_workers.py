@@ -83,6 +83,7 @@ class FakeWorker:
         self.protocol_version = PROTOCOL_VERSION
         self.min_protocol_version = MIN_PEER_VERSION
         self.load_requests: list = []  # the LoadRequests the router sent (its versions)
+        self.prefix_cache_page_size = 0  # what Load reports (0: no prefix cache, the router never matches it)
 
     @property
     def addr(self) -> str:
@@ -123,7 +124,8 @@ class FakeWorker:
     async def Load(self, request, context):  # noqa: N802
         self.load_requests.append(request)
         return wpb.LoadReply(protocol_version=self.protocol_version,
-                             min_protocol_version=self.min_protocol_version)
+                             min_protocol_version=self.min_protocol_version,
+                             prefix_cache_page_size=self.prefix_cache_page_size)
 
     async def Lane(self, request_iterator, context):  # noqa: N802
         """The lane, as the real workers have it (services/common/lane_server.py); `lane = False`:

@@ -124,7 +124,8 @@ DECODE_FLAGS = [
     Flag("http-port", int, 8082, "HTTP port (/metrics, /health)"),
     Flag("max-running-requests", int, 64, "largest decode batch"),
     Flag("chunked-prefill-size", int, 512,
-         "token budget of one local prefill forward for colocated requests (router --mode colocated): "
+         "token budget of one local prefill forward for colocated requests (router --mode colocated, or a "
+         "PD router's conditional disaggregation, --local-prefill-max-tokens): "
          "longer prompts are chunked between decode steps"),
     Flag("prealloc-timeout", float, 300.0, "seconds a request may wait in the prealloc queue for KV pages"),
     Flag("transfer-timeout", float, 60.0, "seconds from prefill's forward-done signal until the KV must have arrived"),
@@ -166,6 +167,11 @@ ROUTER_FLAGS = [
     Flag("prefix-index-max-pages", int, 65536,
          "cache_aware: page keys the router remembers per worker (about 150 bytes each; never more than "
          "the worker's KV pool holds); the least recently routed go first"),
+    Flag("local-prefill-max-tokens", int, 512,
+         "pd + cache_aware: a request whose chosen decode already holds (as far as the router knows) at "
+         "least one page of its prompt and all but at most this many tokens skips prefill: decode computes "
+         "the rest itself, no KV transfer (conditional disaggregation, docs/router.md); the default is one "
+         "chunk, the workers' --chunked-prefill-size; 0: every request goes through prefill"),
     Flag("mode", str, "pd",
          "pd: prefill and decode workers, KV over NIXL; colocated: decode workers only, each computing "
          "the prompt itself (the baseline PD is measured against; --prefill is ignored)",

@@ -150,6 +150,15 @@ class Metrics:
         if engine_type == "router":  # at 0 from the start, so a first migration shows up as a rise
             for reason in ROUTER_MIGRATION_REASONS:
                 self.router_migrations.labels(**self.labels, reason=reason)
+        # conditional disaggregation (services/router/conditional_disagg.py): attempts sent to a
+        # decode alone in PD mode, which computed the prompt's uncached tail itself
+        self.router_local_prefill_requests = counter(
+            "router_local_prefill_requests_total",
+            "attempts the router sent (PD mode) to a decode alone, which computed the prompt's short uncached "
+            "part itself: no prefill, no KV transfer (--local-prefill-max-tokens)",
+        )
+        if engine_type == "router":
+            self.router_local_prefill_requests.labels(**self.labels)  # at 0 from the start
         # (prefill, decode) pairs (services/router/pair_health.py) and the canary that tests them
         self.router_pair_failures = counter(
             "router_pair_failures_total",

@@ -181,6 +181,7 @@ class Router:
             cache_thresholds=CacheThresholds(settings.cache_threshold, settings.balance_abs_threshold,
                                              settings.balance_rel_threshold),
             prefix_index_max_pages=settings.prefix_index_max_pages,
+            local_prefill_max_tokens=settings.local_prefill_max_tokens,
         )
         if self.shared is not None:
             self.siblings = SiblingMetrics(settings.shared_dir, settings.processes, settings.process_index,

@@ -61,9 +61,10 @@ def main(argv=None) -> None:
         log.error("--max-migrations must be 0 or more and --stream-stall-timeout positive")
         sys.exit(2)
     if (not 0.0 <= args.cache_threshold <= 1.0 or args.balance_abs_threshold < 0 or args.balance_rel_threshold < 1.0
-            or args.prefix_index_max_pages < 1):
+            or args.prefix_index_max_pages < 1 or args.local_prefill_max_tokens < 0):
         log.error("--cache-threshold must be within [0, 1], --balance-abs-threshold 0 or more, "
-                  "--balance-rel-threshold 1 or more and --prefix-index-max-pages positive")
+                  "--balance-rel-threshold 1 or more, --prefix-index-max-pages positive and "
+                  "--local-prefill-max-tokens 0 or more")
         sys.exit(2)
     if (args.processes < 1 or (args.processes > 1 and args.port == 0) or args.process_stall_timeout <= 0
             or args.process_start_timeout <= 0):

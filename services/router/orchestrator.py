@@ -19,6 +19,11 @@
   KV_CAPACITY or TOO_LONG, services/common/refusal.py) is skipped and the request tries the
   others; when every healthy worker of that role has refused, the client gets a 400 saying so.
 
+- **Conditional disaggregation.** An attempt whose pair has no prefill in PD mode (the pool
+  found its decode holding all but a short tail, services/router/conditional_disagg.py) asks
+  decode to compute the tail itself (`path="local"` on the attempt line); if it fails, the
+  request's next attempts go PD.
+
 Other INVALID_ARGUMENT refusals are a 400 at once; the request deadline is a 504. Which of these
 follows a failure is services/router/recovery_policy.py's decision over the request object's
 status (services/router/request_state.py); this module carries it out.
@@ -177,6 +182,11 @@ class Orchestrator:
         held: PairLease | None = None  # a pair chosen but not yet owned by an attempt
         completed = False
         ended = "closed"  # how the request ended, for its state: set where it ends
+        # conditional disaggregation (services/router/conditional_disagg.py): not for a choice
+        # sharing one prefill (its choices would each compute the prompt), nor for prompt
+        # logprobs (decode would compute the whole prompt for them); after a local attempt
+        # failed, the request goes through prefill
+        allow_local = spec.worker_prompt_logprobs is None
         try:
             while True:
                 if loop.time() >= deadline:
@@ -191,8 +201,12 @@ class Orchestrator:
                 sharing = req.sharing
                 ids = progress.ids()
                 prompt = RequestKeys(ids) if self.pool.cache_aware else None  # hashed once, for both roles
-                held = await self.pool.choose_pair(req.exclude, share.prefill if sharing else None, prompt)
+                held = await self.pool.choose_pair(req.exclude, share.prefill if sharing else None, prompt,
+                                                   allow_local=allow_local and not sharing)
                 prefill, decode = held
+                path = "colocated" if self.pool.colocated else "local" if prefill is None else "pd"
+                if path == "local" and self.metrics is not None:
+                    self.metrics.inc(self.metrics.router_local_prefill_requests)
                 if sharing and share.prefill is None:
                     share.prefill = prefill  # the first choice to get here picks it for all
                 share_key = share.key if sharing and prefill is not None and prefill is share.prefill else 0
@@ -211,8 +225,8 @@ class Orchestrator:
                     attempt = Attempt(self.pool, self.reap, held, room, ids, params, deadline,
                                       self.stall_timeout, share_key)
                     held = None  # the attempt releases the pair's leases from now on
-                    log.info("attempt", attempt=req.attempts, prefill=prefill.addr if prefill else "colocated",
-                             decode=decode.addr, status=req.status.value,
+                    log.info("attempt", attempt=req.attempts, prefill=prefill.addr if prefill else path,
+                             decode=decode.addr, path=path, status=req.status.value,
                              prompt_tokens=len(ids), max_tokens=progress.remaining, resumed_at=len(progress.generated))
                 try:
                     while True:
@@ -235,6 +249,8 @@ class Orchestrator:
                 except WorkerFailure as failure:
                     attempt.close()
                     attempt = None
+                    if path == "local":
+                        allow_local = False
                     self.pool.report_failure(failure.worker, failure.code)
                     self._recover(req, failure, room, prefill, decode, deadline, timeout)
         except APIError as e:

@@ -31,6 +31,10 @@
   the worker's epoch (new at every start) and its prefix cache's page size: a new epoch means
   an empty cache, so the worker's entries go at once, even when no request failed; an ejected
   or retired worker's entries go too.
+- Conditional disaggregation (`local_prefill_max_tokens`, PD + cache_aware only): when the
+  decode the policy picks holds all but a short tail of the prompt, `choose_pair` returns
+  (None, decode) for a request that allows it, and decode computes the tail itself
+  (services/router/conditional_disagg.py).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from services.common.grpc_server import internal_channel
 from services.common.logging_setup import get_logger
 from services.common.mesh_protocol import MIN_PEER_VERSION, PROTOCOL_VERSION, incompatibility
 from services.common.metrics import Metrics
+from services.router.conditional_disagg import goes_local
 from services.router.discovery import Resolver, resolve_specs, split_host_port, system_resolver
 from services.router.errors import no_healthy_workers
 from services.router.lane import LaneStub
@@ -153,6 +158,7 @@ class WorkerPool:
         pair_hold: float = 30.0,
         cache_thresholds: CacheThresholds | None = None,
         prefix_index_max_pages: int = 65536,
+        local_prefill_max_tokens: int = 0,
     ):
         self.pairs = PairHealth(hold=pair_hold)  # (prefill, decode) pairs whose KV path failed
         self.shared = shared  # the router's other processes (--processes > 1), read every SHARE_INTERVAL
@@ -170,6 +176,9 @@ class WorkerPool:
                           "decode": make_policy(policy, thresholds=cache_thresholds)}
         self.cache_aware = policy == "cache_aware"  # only that policy reads (and so needs) the index
         self.index = PrefixIndex(prefix_index_max_pages)
+        # PD + cache_aware: a request whose decode holds all but this many prompt tokens skips
+        # prefill (services/router/conditional_disagg.py; 0: never)
+        self.local_prefill_max_tokens = local_prefill_max_tokens if self.cache_aware and not colocated else 0
         self.metrics = metrics
         self.interval = interval
         self.timeout = timeout
@@ -450,12 +459,16 @@ class WorkerPool:
 
     async def choose_pair(
         self, exclude: Iterable[Worker] = (), prefill: Worker | None = None, prompt: RequestKeys | None = None,
+        allow_local: bool = False,
     ) -> PairLease:
         """A healthy (prefill, decode), avoiding `exclude` when another healthy worker exists;
         colocated: (None, decode). `prefill`: take that prefill while it is healthy and not
         excluded (the n choices of one request share one prefill, services/router/fanout.py).
         `prompt`: the ids the pair will be sent (cache_aware reads the index with them; both
-        chosen workers are then recorded as holding them).
+        chosen workers are then recorded as holding them). `allow_local`: the request may skip
+        prefill (conditional disaggregation, services/router/conditional_disagg.py): when the
+        decode the policy picks holds all but a short tail of the prompt, the pair is
+        (None, decode) and decode computes the tail itself.
 
         The pair comes reserved: a lease on each worker's in-flight count, taken with no await
         between choosing and counting (so concurrent requests see each other's load); the caller
@@ -472,12 +485,17 @@ class WorkerPool:
             if not any(w.healthy for w in group):
                 raise no_healthy_workers(role)
         match = PrefixMatch(self.index, prompt) if self.cache_aware and prompt is not None else None
-        if self.colocated:
+        # decode first (each role's policy is its own, so the order changes no choice): whether
+        # the request needs a prefill at all depends on what the chosen decode holds
+        decodes = self._candidates(self.decodes, excluded)
+        decode = self._policies["decode"].choose(decodes, load_of, match)
+        local = (allow_local and match is not None and self.local_prefill_max_tokens > 0
+                 and goes_local(match.total, match.matched(decode), decode.prefix_page_size,
+                                self.local_prefill_max_tokens))
+        if self.colocated or local:
             prefill = None
         elif not (prefill is not None and prefill.healthy and prefill not in excluded and prefill in self.prefills):
             prefill = self._policies["prefill"].choose(self._prefills_with_a_good_pair(excluded), load_of, match)
-        decodes = self._candidates(self.decodes, excluded)
-        decode = self._policies["decode"].choose(decodes, load_of, match)
         if prefill is not None and self.pairs.is_marked(prefill, decode):
             # choose again among the pair's good decodes (not from the start among a shrunken list,
             # whose round-robin would starve a worker); every pair marked: route anyway

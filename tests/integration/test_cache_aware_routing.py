@@ -37,11 +37,13 @@ def mesh(tmp_path_factory):
     m = Mesh(tmp_path_factory.mktemp("cache-aware"))
     try:
         ps, ds = m.start_workers(2, 2)
-        r = m.start_router(ps, ds, "--request-timeout", "60", wait=False)
+        # reuse measured with conditional disaggregation off: every round through a prefill
+        r = m.start_router(ps, ds, "--request-timeout", "60", "--local-prefill-max-tokens", "0", wait=False)
         # Nothing but the epoch may tell this one of a restart: no lane (whose stream breaking
         # would eject the worker at once), and a failure threshold a restart never reaches.
         quiet = m.start_router(ps, ds, "--worker-lane", "false", "--health-check-interval", "0.2",
-                               "--health-failure-threshold", "100000", "--request-timeout", "60", wait=False)
+                               "--health-failure-threshold", "100000", "--request-timeout", "60", "--local-prefill-max-tokens", "0",
+                               wait=False)
         m.wait_healthy(r)
         m.wait_healthy(quiet)
         yield m, ps, ds, r, quiet

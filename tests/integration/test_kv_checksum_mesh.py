@@ -29,7 +29,8 @@ MAX_TOKENS = 12
 PROMPTS = [f"Request {i}: " + " ".join(f"word{(i * 7 + k) % 50}" for k in range(40)) for i in range(24)]
 SEEDS = {p: (None if i % 2 == 0 else 1000 + i) for i, p in enumerate(PROMPTS)}
 WORKER_FLAGS = ("--watchdog-interval", "0.5")
-ROUTER_FLAGS = ("--request-timeout", "60", "--health-check-interval", "0.5")
+# every request through prefill and a KV transfer (no conditional disaggregation): the checksum is what is tested
+ROUTER_FLAGS = ("--request-timeout", "60", "--health-check-interval", "0.5", "--local-prefill-max-tokens", "0")
 
 
 def params_of(prompt: str) -> SamplingParams:

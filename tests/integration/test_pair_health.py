@@ -53,7 +53,7 @@ def broken_pair(tmp_path_factory):
             m.wait_healthy(w)
         r = m.start_router([p_bad, p_ok], ds, "--canary-interval", str(CANARY_INTERVAL), "--canary-timeout",
                            str(CANARY_TIMEOUT), "--pair-hold", "0", "--health-check-interval", "0.5",
-                           "--request-timeout", "60")
+                           "--request-timeout", "60", "--local-prefill-max-tokens", "0")  # every request via a pair
         yield m, (p_bad, p_ok), ds, r
     finally:
         m.close()

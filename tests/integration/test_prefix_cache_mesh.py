@@ -31,7 +31,8 @@ def mesh(tmp_path_factory):
     m = Mesh(tmp_path_factory.mktemp("prefix"))
     try:
         (p,), (d,) = m.start_workers(1, 1)
-        r = m.start_router([p], [d], "--request-timeout", "60")
+        # reuse measured with conditional disaggregation off: every round through prefill
+        r = m.start_router([p], [d], "--request-timeout", "60", "--local-prefill-max-tokens", "0")
         yield m, p, d, r
     finally:
         m.close()
@@ -126,7 +127,7 @@ def test_with_the_cache_off_nothing_is_reused_and_output_is_the_same(tmp_path, r
     m = Mesh(tmp_path)
     try:
         (p,), (d,) = m.start_workers(1, 1, ("--prefix-cache", "off"), ("--prefix-cache", "off"))
-        r = m.start_router([p], [d])
+        r = m.start_router([p], [d], "--local-prefill-max-tokens", "0")
         prompt = [5 + (i * 11) % 250 for i in range(50)]
         seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True)
         ref = decode_text(reference(reference_model, prompt, seeded))

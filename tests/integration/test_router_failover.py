@@ -37,7 +37,8 @@ INTERVAL, PROBE_TIMEOUT, THRESHOLD = 0.5, 0.5, 2
 DETECTION = INTERVAL + THRESHOLD * (INTERVAL + PROBE_TIMEOUT)
 ROUTER_FLAGS = ("--health-check-interval", str(INTERVAL), "--health-check-timeout", str(PROBE_TIMEOUT),
                 "--health-failure-threshold", str(THRESHOLD), "--request-timeout", "60",
-                "--stream-stall-timeout", "3")
+                "--stream-stall-timeout", "3",
+                "--local-prefill-max-tokens", "0")  # every request through prefill: these tests fault it
 
 
 def complete(url: str, prompt: str, max_tokens: int = 8, stream: bool = False, timeout: float = 70) -> httpx.Response:
@@ -114,7 +115,7 @@ def test_long_prefill_is_not_a_stall_keepalives_bridge_it(tmp_path):
         m.wait_healthy(p)
         m.wait_healthy(d)
         r = m.start_router([p], [d], "--health-check-interval", "0.5", "--health-check-timeout", "0.5",
-                           "--stream-stall-timeout", "1", "--request-timeout", "30")
+                           "--stream-stall-timeout", "1", "--request-timeout", "30", "--local-prefill-max-tokens", "0")
         t0 = time.monotonic()
         resp = complete(r.http_url, "a slow prompt", stream=True)
         assert resp.status_code == 200 and 'data: {"error"' not in resp.text, resp.text[-500:]

@@ -39,7 +39,9 @@ TOK = load_tokenizer(None)  # the default model's: models/pdmesh-tiny
 PREFILL_FLAGS = ("--inflight-timeout", "2", "--watchdog-interval", "0.5", "--bootstrap-timeout", "4")
 DECODE_FLAGS = ("--watchdog-interval", "0.5", "--heartbeat-interval", "0.5", "--transfer-timeout", "3",
                 "--prealloc-timeout", "4")
-ROUTER_FLAGS = ("--health-check-interval", "0.5", "--health-check-timeout", "0.5")
+# every request through prefill (no conditional disaggregation): rounds repeat their history, and
+# these tests count and fault both roles
+ROUTER_FLAGS = ("--health-check-interval", "0.5", "--health-check-timeout", "0.5", "--local-prefill-max-tokens", "0")
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,8 @@
 
 - **Conditional disaggregation.** An attempt whose pair has no prefill in PD mode (the pool
   found its decode holding all but a short tail, services/router/conditional_disagg.py) asks
-  decode to compute the tail itself (`path="local"` on the attempt line); if it fails, the
-  request's next attempts go PD.
+  decode to compute the tail itself (`path="local"` on the attempt line); after any failed
+  attempt, the request's next attempts go PD.
 
 Other INVALID_ARGUMENT refusals are a 400 at once; the request deadline is a 504. Which of these
 follows a failure is services/router/recovery_policy.py's decision over the request object's
@@ -184,8 +184,8 @@ class Orchestrator:
         ended = "closed"  # how the request ended, for its state: set where it ends
         # conditional disaggregation (services/router/conditional_disagg.py): not for a choice
         # sharing one prefill (its choices would each compute the prompt), nor for prompt
-        # logprobs (decode would compute the whole prompt for them); after a local attempt
-        # failed, the request goes through prefill
+        # logprobs (decode would compute the whole prompt for them); after any failed attempt the
+        # request goes through prefill, the path fail-over and migration were built on
         allow_local = spec.worker_prompt_logprobs is None
         try:
             while True:
@@ -249,8 +249,7 @@ class Orchestrator:
                 except WorkerFailure as failure:
                     attempt.close()
                     attempt = None
-                    if path == "local":
-                        allow_local = False
+                    allow_local = False
                     self.pool.report_failure(failure.worker, failure.code)
                     self._recover(req, failure, room, prefill, decode, deadline, timeout)
         except APIError as e:

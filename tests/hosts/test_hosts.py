@@ -37,8 +37,9 @@ HANG = 8.0  # p2's first forward (partition 1)
 PREFILL_FLAGS = ("--watchdog-interval", "0.5", "--inflight-timeout", "30", "--bootstrap-timeout", "30")
 DECODE_FLAGS = ("--watchdog-interval", "0.5", "--heartbeat-interval", "0.5", "--heartbeat-max-failures", "3",
                 "--transfer-timeout", "30", "--prealloc-timeout", "30")
+# every request through prefill (the partitions are between prefill and decode): no local prefill
 ROUTER_FLAGS = ("--health-check-interval", "0.5", "--health-check-timeout", "0.5", "--request-timeout", "60",
-                "--stream-stall-timeout", "3", "--max-migrations", "2")
+                "--stream-stall-timeout", "3", "--max-migrations", "2", "--local-prefill-max-tokens", "0")
 RESULTS: dict = {}
 
 

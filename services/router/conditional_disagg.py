@@ -10,8 +10,8 @@ page of KV over the network for less work than one of decode's own prefill chunk
 - only in PD mode under the cache_aware policy (the only one that keeps the index), and only
   for a request that allows it: not a choice of n > 1 sharing one prefill (the choices would
   each compute the prompt on their decodes instead of once), not one asking for prompt
-  logprobs (decode would compute the whole prompt to give them), not a retry of a local
-  attempt that failed;
+  logprobs (decode would compute the whole prompt to give them), not any attempt after one
+  that failed (those go through prefill, the path fail-over and migration were built on);
 - the chosen decode holds at least one full page of the prompt, and
 - the prompt's tokens beyond what it holds are at most the threshold (0 turns the rule off).
 """

@@ -17,7 +17,14 @@ import pytest
 from services.router.leases import Lease, Ledger, PairLease
 from services.router.pool import Worker, WorkerPool
 from tests.fake_workers import Behaviour
-from tests.unit.test_router_app import Cluster, completion, post, sse_payloads, wait_for
+from tests.unit.test_router_app import (  # noqa: F401 - cluster_factory is a fixture
+    Cluster,
+    cluster_factory,
+    completion,
+    post,
+    sse_payloads,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -78,20 +85,6 @@ def test_choose_pair_hands_out_a_lease():
 # --- every end path of a request, through the router --------------------------------------------
 
 
-@pytest.fixture
-def make():
-    made: list[Cluster] = []
-
-    def factory(**kw) -> Cluster:
-        c = Cluster(**kw)
-        made.append(c)
-        return c
-
-    yield factory
-    for c in made:
-        c.close()
-
-
 def settled(c: Cluster, attempts: int, admitted: int) -> None:
     """Nothing outstanding, and the ledgers saw the expected leases taken (and all released)."""
     c.all_rpcs_ended()  # includes both ledgers' outstanding == 0
@@ -101,16 +94,16 @@ def settled(c: Cluster, attempts: int, admitted: int) -> None:
     assert r.pool.leases.taken == r.pool.leases.released == 2 * attempts
 
 
-def test_success_releases_each_lease_once(make):
-    c = make()
+def test_success_releases_each_lease_once(cluster_factory):  # noqa: F811
+    c = cluster_factory()
     assert post(c, "/v1/completions", completion()).status_code == 200
     r = post(c, "/v1/completions", completion(stream=True, n=2))
     assert r.status_code == 200 and sse_payloads(r.text)
     settled(c, attempts=3, admitted=3)  # 1 + 2 choices, each its own attempt
 
 
-def test_client_disconnect_releases_each_lease_once(make):
-    c = make()
+def test_client_disconnect_releases_each_lease_once(cluster_factory):  # noqa: F811
+    c = cluster_factory()
     c.decodes[0].behaviour = Behaviour(token_delay=0.05)
     c.prefills[0].behaviour = Behaviour(mode="hang")  # prefill's lease is held until its RPC is cancelled
     with httpx.Client(timeout=10) as client:
@@ -121,16 +114,16 @@ def test_client_disconnect_releases_each_lease_once(make):
     settled(c, attempts=1, admitted=1)
 
 
-def test_fail_over_releases_the_failed_pairs_leases(make):
-    c = make(n_prefill=2, n_decode=2)
+def test_fail_over_releases_the_failed_pairs_leases(cluster_factory):  # noqa: F811
+    c = cluster_factory(n_prefill=2, n_decode=2)
     c.decodes[0].behaviour = Behaviour(mode="fail", code=grpc.StatusCode.INTERNAL)
     c.prefills[0].behaviour = Behaviour(delay=5)  # still computing when decode fails: cancelled
     assert post(c, "/v1/completions", completion()).status_code == 200
     settled(c, attempts=2, admitted=1)
 
 
-def test_migration_releases_the_first_pairs_leases(make):
-    c = make(n_decode=2)
+def test_migration_releases_the_first_pairs_leases(cluster_factory):  # noqa: F811
+    c = cluster_factory(n_decode=2)
     for d in c.decodes:
         d.positional = True
     c.decodes[0].behaviour = Behaviour(mode="fail_after", after=3, code=grpc.StatusCode.UNAVAILABLE)
@@ -139,8 +132,8 @@ def test_migration_releases_the_first_pairs_leases(make):
     settled(c, attempts=2, admitted=1)
 
 
-def test_errors_release_each_lease_once(make):
-    c = make(request_timeout=2.0)  # room for the 400 on a loaded machine; the hang then ends at the deadline
+def test_errors_release_each_lease_once(cluster_factory):  # noqa: F811
+    c = cluster_factory(request_timeout=2.0)  # room for the 400 on a loaded machine; the hang then ends at the deadline
     c.decodes[0].behaviour = Behaviour(mode="fail", code=grpc.StatusCode.INVALID_ARGUMENT, times=1)
     assert post(c, "/v1/completions", completion()).status_code == 400  # refused: no retry
     c.decodes[0].behaviour = Behaviour(mode="hang")
@@ -182,8 +175,8 @@ def test_the_canary_releases_its_pairs_leases_whether_it_passes_or_fails():
     asyncio.run(run())
 
 
-def test_colocated_requests_hold_one_lease_per_attempt(make):
-    c = make(n_prefill=0, mode="colocated")
+def test_colocated_requests_hold_one_lease_per_attempt(cluster_factory):  # noqa: F811
+    c = cluster_factory(n_prefill=0, mode="colocated")
     assert post(c, "/v1/completions", completion()).status_code == 200
     c.all_rpcs_ended()
     assert c.router.pool.leases.taken == c.router.pool.leases.released == 1  # decode's only: no prefill

@@ -237,14 +237,15 @@ class Orchestrator:
                         req.tokens(chunk.token_ids, loop.time())
                         completed = bool(chunk.finish_reason)
                         if completed:
+                            # before the yield: a consumer that has its last chunk may never resume us
                             req.finish(loop.time(), chunk.finish_reason)
-                        yield chunk
-                        if completed:
                             if prompt is not None:  # decode keeps prompt + reply cached, but the last id's KV
                                 self.pool.remember(decode, prompt.extended(progress.ids()[:-1]))
                             if prefill is not None and self.pool.pairs.clear(prefill, decode):
                                 log.info("worker pair served a request again; mark cleared",
                                          prefill=prefill.addr, decode=decode.addr)
+                        yield chunk
+                        if completed:
                             return
                 except WorkerFailure as failure:
                     attempt.close()

@@ -507,10 +507,11 @@ class WorkerPool:
             prefill_lease = self.reserve(prefill)
             self.pairs.touch(prefill, decode)
         decode_lease = self.reserve(decode)
-        if match is not None:
-            for w in (prefill, decode):
-                if w is not None:
-                    self.remember(w, prompt)
+        if match is not None and prefill is not None:
+            # prefill caches the prompt's pages as it computes them; decode is remembered only
+            # once a request finishes there (the orchestrator), so a failed transfer leaves no
+            # entry for pages decode never received
+            self.remember(prefill, prompt)
         return PairLease(prefill, decode, prefill_lease, decode_lease)
 
     def remember(self, w: Worker, ids: RequestKeys) -> None:

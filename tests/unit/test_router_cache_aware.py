@@ -72,11 +72,16 @@ def pool_of(prefills: int, decodes: int, **kw) -> WorkerPool:
     return pool
 
 
-def route(pool: WorkerPool, ids: list[int]) -> tuple[Worker, Worker]:
+def route(pool: WorkerPool, ids: list[int], finished: bool = True) -> tuple[Worker, Worker]:
+    """Choose a pair for `ids`; `finished`: the request then finished on the decode, which the
+    orchestrator tells the pool (here with the prompt alone: no reply)."""
     async def run():
-        p, d = await pool.choose_pair(prompt=RequestKeys(ids))
-        p.inflight -= 1
-        d.inflight -= 1
+        keys = RequestKeys(ids)
+        lease = await pool.choose_pair(prompt=keys)
+        p, d = lease
+        lease.release()
+        if finished:
+            pool.remember(d, keys)
         return p, d
 
     return asyncio.run(run())
@@ -94,6 +99,18 @@ def test_conversations_spread_then_stick_to_their_workers():
         for c in range(4):
             grown = conversation(20, c) + [7, 7, 7]
             assert route(pool, grown) == firsts[c]
+
+
+def test_decode_is_remembered_only_once_a_request_finishes_there():
+    """A request whose transfer fails leaves decode without its pages: the index must not say
+    otherwise. Prefill is remembered when chosen (it caches what it computes)."""
+    pool = pool_of(1, 2)
+    ids = conversation(20, 1)
+    p, d = route(pool, ids, finished=False)
+    assert pool.index.pages(p) == 5 and pool.index.pages(d) == 0
+    other = route(pool, ids)[1]
+    assert other is not d  # nothing held anywhere: least loaded, ties alternate
+    assert route(pool, ids + [3] * 8)[1] is other and pool.index.pages(other) == 7
 
 
 def test_decode_remembers_the_reply_too():

@@ -15,13 +15,13 @@ body, incrementally for a stream (content deltas and tool-call deltas, services/
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import time
 from typing import Any
 
 from services.common.prompt_logprobs import PromptLogprobs
 from services.common.tokenizer import Tokenizer
+from services.router.json_codec import dumps
 from services.router.orchestrator import Chunk
 from services.router.output import OutputText, TokenStrings
 from services.router.protocol import GenerateSpec
@@ -35,13 +35,13 @@ MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 # A text that marks where delta_event's template takes the text: JSON escapes the control
 # characters, so the encoded slot cannot occur anywhere else in an event.
 _SLOT = "\x00pdmesh-text\x00"
-_SLOT_JSON = json.dumps(_SLOT).encode("utf-8")
+_SLOT_JSON = dumps(_SLOT)
 BODY_SLICE = 256  # logprob entries built and encoded between two turns of the event loop
 
 
 def _dumps(value: Any) -> bytes:
-    """JSON as Starlette's JSONResponse writes it."""
-    return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode("utf-8")
+    """JSON as Starlette's JSONResponse writes it (services/router/json_codec.py)."""
+    return dumps(value)
 
 
 def _slot(index: int) -> str:
@@ -447,7 +447,7 @@ class ResponseState:
         if self._text_template is None:
             self._text_template = sse_event(self.delta_chunk(_SLOT, [], None)).split(_SLOT_JSON)
         head, tail = self._text_template
-        return head + json.dumps(text, ensure_ascii=False).encode("utf-8") + tail
+        return head + dumps(text) + tail
 
     def usage_chunk(self, states: list[ResponseState] | None = None) -> dict[str, Any]:
         obj = self._chunk([])

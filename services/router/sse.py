@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -19,6 +18,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from services.router.connection_guard import CONNECTION_EXTENSION
+from services.router.json_codec import dumps
 
 DONE = b"data: [DONE]\n\n"
 
@@ -28,7 +28,7 @@ class ClientDisconnected(Exception):
 
 
 def sse_event(payload: Any) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8") + b"\n\n"
+    return b"data: " + dumps(payload) + b"\n\n"
 
 
 async def wait_disconnect(receive: Receive) -> None:

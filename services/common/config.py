@@ -374,6 +374,29 @@ def _settings_class(name: str, flags: Sequence[Flag], extra: Sequence[tuple[str,
     return cls
 
 
+# Each service's command line, answerable from this module alone: a service's own modules load
+# torch and NIXL (seconds, a minute on a loaded machine) before argparse could print --help or
+# refuse a bad flag, so each `__main__` parses first (`parse_command_line`) and imports after.
+COMMANDS = {
+    "prefill": ("python -m services.prefill",
+                "pdmesh prefill worker: computes prompts' KV cache and sends it to decode over NIXL.",
+                PREFILL_FLAGS),
+    "decode": ("python -m services.decode",
+               "pdmesh decode worker: receives prompts' KV from prefill over NIXL and generates tokens.",
+               DECODE_FLAGS),
+    "router": ("python -m services.router",
+               "pdmesh router: the OpenAI-compatible HTTP API in front of prefill and decode workers "
+               "(tokenization, chat template, worker selection, retries, streaming).",
+               ROUTER_FLAGS),
+}
+
+
+def parse_command_line(service: str, argv: Sequence[str] | None = None):
+    """`service`'s flags (and env twins) parsed; --help and a bad flag exit here, as argparse does."""
+    prog, description, flags = COMMANDS[service]
+    return parse_args(prog, description, flags, argv)
+
+
 PrefillSettings = _settings_class("PrefillSettings", PREFILL_FLAGS)
 DecodeSettings = _settings_class("DecodeSettings", DECODE_FLAGS)
 # With --processes N the supervisor tells each router process its place and their shared folder
@@ -384,3 +407,9 @@ RouterSettings = _settings_class("RouterSettings", ROUTER_FLAGS, extra=(("proces
 def parse_settings(cls: type, prog: str, description: str, argv: Sequence[str] | None = None):
     """Flags, then their env twins, then defaults -> an instance of `cls` (e.g. PrefillSettings)."""
     return cls(**vars(parse_args(prog, description, cls.FLAGS, argv)))
+
+
+def service_settings(service: str, cls: type, argv: Sequence[str] | None = None):
+    """`parse_settings` with the service's own program name and description (`COMMANDS`)."""
+    prog, description, _ = COMMANDS[service]
+    return parse_settings(cls, prog, description, argv)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from services.common.bind_guard import refuse_insecure_bind
-from services.common.config import DecodeSettings, parse_settings
+from services.common.config import DecodeSettings, service_settings
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.grpc_server import configure_internal_token
 from services.common.worker_lifecycle import WorkerParts, run_worker, start_status, start_worker_process
@@ -19,11 +19,9 @@ from services.transfer.nixl_agent import NixlAgent
 from services.transfer.poller import ProgressPoller
 from services.transfer.receiver import KVReceiver
 
-DESCRIPTION = "pdmesh decode worker: receives prompts' KV from prefill over NIXL and generates tokens."
-
 
 async def serve(argv=None) -> None:
-    args = parse_settings(DecodeSettings, "python -m services.decode", DESCRIPTION, argv)
+    args = service_settings("decode", DecodeSettings, argv)
     worker_id, faults = start_worker_process("decode", args)
     status = await start_status("decode", args, worker_id)  # /metrics and /health while the model loads
     metrics = status.metrics

@@ -6,7 +6,7 @@ import asyncio
 import math
 
 from services.common.bind_guard import refuse_insecure_bind
-from services.common.config import PrefillSettings, parse_settings
+from services.common.config import PrefillSettings, service_settings
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.grpc_server import configure_internal_token
 from services.common.worker_lifecycle import WorkerParts, run_worker, start_status, start_worker_process
@@ -20,11 +20,9 @@ from services.transfer.nixl_agent import NixlAgent
 from services.transfer.poller import ProgressPoller
 from services.transfer.sender import KVSender
 
-DESCRIPTION = "pdmesh prefill worker: computes prompts' KV cache and sends it to decode over NIXL."
-
 
 async def serve(argv=None) -> None:
-    args = parse_settings(PrefillSettings, "python -m services.prefill", DESCRIPTION, argv)
+    args = service_settings("prefill", PrefillSettings, argv)
     worker_id, faults = start_worker_process("prefill", args)
     status = await start_status("prefill", args, worker_id)  # /metrics and /health while the model loads
     metrics = status.metrics

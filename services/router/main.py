@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import uvicorn
 
-from services.common.config import ROUTER_FLAGS, ignored_env_twins, parse_args
+from services.common.config import ignored_env_twins, parse_command_line
 from services.common.grpc_server import configure_internal_token
 from services.common.logging_setup import configure_logging, get_logger
 from services.common.parent_death import die_with
@@ -17,15 +17,10 @@ from services.router.connection_guard import ConnectionLimits, guarded_protocol
 from services.router.discovery import split_host_port
 from services.router.processes import STOP_MARGIN, Supervisor, child_identity, listening_socket
 
-DESCRIPTION = (
-    "pdmesh router: the OpenAI-compatible HTTP API in front of prefill and decode workers "
-    "(tokenization, chat template, worker selection, retries, streaming)."
-)
-
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args("python -m services.router", DESCRIPTION, ROUTER_FLAGS, argv)
+    args = parse_command_line("router", argv)
     child = child_identity()  # (index, shared folder, supervisor pid) in one of --processes N
     if child is not None:
         die_with(child[2])

@@ -69,10 +69,17 @@ SGLANG_VENV = ROOT / "bench" / ".venv-sglang"
 MODEL = "pdmesh-tiny"
 PROMPT = "The quick brown fox jumps over the lazy dog. Tell me a story about it."
 
+# Each request's prompt starts with its own number, so nothing keyed on the body (a cache in front
+# of either router, a memoised parse) can win; the body's text is split around that number.
 LUA = """
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
-wrk.body = [[%s]]
+counter = 0
+local head, tail = [[%s]], [[%s]]
+request = function()
+  counter = counter + 1
+  return wrk.format(nil, nil, nil, head .. counter .. ": " .. tail)
+end
 done = function(summary, latency, requests)
   local errors = summary.errors.connect + summary.errors.read + summary.errors.write
     + summary.errors.status + summary.errors.timeout
@@ -166,6 +173,11 @@ def tree_cpu_seconds(pid: int) -> float:
 def body(max_tokens: int, stream: bool) -> str:
     return json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
                        "ignore_eos": True, "stream": stream})
+
+
+def lua_script(max_tokens: int, stream: bool) -> str:
+    head, tail = body(max_tokens, stream).split(PROMPT, 1)
+    return LUA % (head, PROMPT + tail)
 
 
 def run_wrk(wrk: str, url: str, script: pathlib.Path, conns: int, seconds: float, core: str, pin: bool) -> dict:
@@ -339,7 +351,7 @@ def main() -> int:
             results: dict = {}
             for name, conns, max_tokens, stream in cases:
                 script = tmp / f"{name}.lua"
-                script.write_text(LUA % body(max_tokens, stream))
+                script.write_text(lua_script(max_tokens, stream))
                 measured = [side for side in urls if not (stream and side.startswith("floor"))]  # floors: JSON only
                 runs: dict[str, list[dict]] = {s: [] for s in measured}
                 for side in measured:  # warm-up: connections and lazily built paths

@@ -1,8 +1,16 @@
 import os
 
-import pytest
+# One OpenMP thread per process, idle threads asleep: a test runs several processes with torch
+# (two pytest workers, each mesh's prefill, decode and reference model) on a machine of a few
+# cores, and torch's default of one spinning thread per core in each of them oversubscribes
+# the cores several times over (a batch test took 1.5x as long). Set before anything imports
+# torch; the workers a test starts inherit it. The tiny test models gain nothing from threads.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from tests.integration.mesh import Mesh
+import pytest  # noqa: E402
+
+from tests.integration.mesh import Mesh  # noqa: E402
 
 
 @pytest.fixture

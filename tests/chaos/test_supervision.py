@@ -16,7 +16,8 @@ pytestmark = pytest.mark.integration
 
 @pytest.mark.parametrize(
     ("role", "task"),
-    [("decode", "decode-loop"), ("decode", "kv-heartbeat"), ("prefill", "poller"), ("prefill", "watchdog")],
+    [("decode", "decode-loop"), pytest.param("decode", "kv-heartbeat", marks=pytest.mark.long),
+     pytest.param("prefill", "poller", marks=pytest.mark.long), ("prefill", "watchdog")],
 )
 def test_a_crashed_task_takes_the_worker_down(mesh, role, task):
     proc = mesh.start_worker(role, "--faults", f"crash_task={task}", wait=False)

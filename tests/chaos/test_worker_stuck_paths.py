@@ -90,7 +90,7 @@ def _abort(addr: str, stub_cls, room: int) -> None:
     assert asyncio.run(call()).found
 
 
-@pytest.mark.parametrize("role", ["prefill", "decode"])
+@pytest.mark.parametrize("role", [pytest.param("prefill", marks=pytest.mark.long), "decode"])
 def test_a_forward_that_fails_after_its_room_was_aborted_frees_the_job(mesh, role):
     faults = ("--faults", "delay_forward=1.5,fail_forward")
     p = mesh.start_prefill(*(faults if role == "prefill" else ()), wait=False)
@@ -120,6 +120,7 @@ def test_a_forward_that_fails_after_its_room_was_aborted_frees_the_job(mesh, rol
     failed = out.prefill_error if role == "prefill" else out.decode_error
     assert failed is not None and failed.code() == grpc.StatusCode.CANCELLED
 
+@pytest.mark.long
 
 def test_decode_admits_new_requests_once_retracted_ones_resume(mesh):
     # 24 pages of 16 tokens. A (20 + 300 tokens, 20 pages) and B (20 + 200, 14 pages) cannot

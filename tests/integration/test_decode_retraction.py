@@ -73,6 +73,7 @@ def test_a_context_that_outgrows_the_whole_pool_fails_clearly(mesh):
     mesh.assert_invariants()
     assert d.metrics()["pdmesh:num_retracted_requests_total"] == 0
 
+@pytest.mark.long
 
 def test_clients_leaving_while_retracted_leave_nothing_behind(mesh):
     p = mesh.start_prefill(wait=False)

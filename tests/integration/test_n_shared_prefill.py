@@ -115,7 +115,7 @@ def _unshared(p, d):
     return [o.tokens for o in asyncio.run(run())]
 
 
-@pytest.mark.parametrize("cancel", [1, 0], ids=["follower_aborted", "leader_aborted"])
+@pytest.mark.parametrize("cancel", [pytest.param(1, marks=pytest.mark.long), 0], ids=["follower_aborted", "leader_aborted"])
 def test_an_aborted_member_leaves_the_others_exact(mesh, cancel):
     m, ps, slow, ds, _ = mesh
     computed, shared = slow.metrics().get(COMPUTED, 0.0), slow.metrics().get(SHARED, 0.0)

@@ -104,6 +104,7 @@ def test_requests_avoid_the_marked_pair_and_both_workers_keep_serving(broken_pai
     m.assert_invariants()
     wait_for(lambda: r.metrics().get("pdmesh:router_num_running_reqs", 1) == 0, 10, "no admission slot held")
 
+@pytest.mark.long
 
 def test_a_restarted_prefill_starts_with_clean_pairs(broken_pair):
     m, (p_bad, p_ok), (d_bad, d_ok), r = broken_pair

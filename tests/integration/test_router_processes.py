@@ -194,6 +194,7 @@ def test_max_concurrent_requests_bounds_the_whole_router(fakes, routers):
     assert sum(r.per_process("pdmesh:router_num_requests").values()) == 3
     r.assert_settled(fakes)
 
+@pytest.mark.long
 
 def test_the_shared_budget_counts_choices(fakes, routers):
     fakes.decode.behaviour = Behaviour(delay=4.0)  # each admitted choice holds its slot for 4 s
@@ -229,6 +230,7 @@ def test_a_frozen_process_is_killed_and_replaced(fakes, routers):
     assert time.monotonic() - t0 < 8
     assert_serving_again(r, fakes, "router process stopped beating; killing it")
 
+@pytest.mark.long
 
 def test_a_process_frozen_while_starting_is_killed_and_replaced(fakes, routers):
     """SIGSTOP before its first heartbeat (it may already hold its socket): the supervisor counts
@@ -247,6 +249,7 @@ def test_a_process_frozen_while_starting_is_killed_and_replaced(fakes, routers):
         with contextlib.suppress(ProcessLookupError):
             os.kill(first, signal.SIGKILL)  # whatever the outcome, no stopped process is left behind
 
+@pytest.mark.long
 
 def test_a_process_frozen_while_starting_dies_with_a_killed_supervisor(fakes, routers):
     """The death signal is armed before the child execs Python: a child frozen while importing

@@ -89,7 +89,8 @@ def _big_state(kind: str, index: int, logprobs: int) -> ResponseState:
     return state
 
 
-@pytest.mark.parametrize("kind,logprobs", [("chat", 20), ("completion", 5), ("completion", 0)])
+@pytest.mark.parametrize("kind,logprobs", [pytest.param("chat", 20, marks=pytest.mark.long), ("chat", 2),
+                                           ("completion", 5), ("completion", 0)])
 def test_a_big_body_is_built_with_the_loop_served_between_slices(kind, logprobs):
     states = [_big_state(kind, i, logprobs) for i in range(4)]
 

@@ -23,18 +23,11 @@ UINT32_MAX = (1 << 32) - 1
 
 @dataclass(frozen=True)
 class Range:
-    """A closed or half-open interval; None: unbounded on that side. Non-finite numbers fail."""
+    """A closed or half-open interval from `lo`; `hi` None: unbounded above. NaN is outside."""
 
-    lo: float | None = None
+    lo: float
     hi: float | None = None
     lo_open: bool = False
-
-    def holds(self, v: float) -> bool:
-        if isinstance(v, float) and not math.isfinite(v):
-            return False
-        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
-            return False
-        return self.hi is None or v <= self.hi
 
     def __str__(self) -> str:
         if self.hi is None:
@@ -116,10 +109,11 @@ class SamplingParams:
     prompt_logprobs: int | None = param(None, wire=Wire(OPTIONAL), range=Range(0, MAX_TOP_LOGPROBS))
 
     def __post_init__(self):
-        for f in RANGED:
-            v = getattr(self, f.name)
-            if v is not None and not f.metadata["range"].holds(v):
-                raise ValueError(f"{f.name} must be {f.metadata['range']}, got {v!r}")
+        for name, lo, hi, lo_open, rng in _RANGE_CHECKS:
+            v = getattr(self, name)
+            # v != v: NaN; a bounded side also refuses the infinity beyond it
+            if v is not None and ((v <= lo if lo_open else v < lo) or (hi is not None and v > hi) or v != v):
+                raise ValueError(f"{name} must be {rng}, got {v!r}")
         for token, bias in self.logit_bias:
             if token < 0 or not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
                 raise ValueError("logit_bias entries must be (token id >= 0, bias in [-100, 100])")
@@ -152,6 +146,8 @@ class SamplingParams:
 
 FIELDS = dataclasses.fields(SamplingParams)
 RANGED = tuple(f for f in FIELDS if f.metadata["range"] is not None)
+# what __post_init__ checks, flattened once: (name, lo, hi, lo_open, the Range for the message)
+_RANGE_CHECKS = tuple((f.name, r.lo, r.hi, r.lo_open, r) for f in RANGED for r in [f.metadata["range"]])
 
 
 def api_fields() -> tuple[tuple[str, Any, Api], ...]:

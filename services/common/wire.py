@@ -3,6 +3,8 @@ parameters' conversions are derived from their declaration (services/common/samp
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.sampling_params import (
     FIELDS,
@@ -49,39 +51,56 @@ def check_declaration(fields=None, descriptor=None) -> None:
 check_declaration()
 
 
-def _read(p: wpb.SamplingParams, f):
-    """One field's value from the proto (as the engine's plain Python type)."""
-    wire, v = f.metadata["wire"], getattr(p, f.name)
+def _reader(f):
+    """A function reading one field's value from the proto, as the engine's plain Python type."""
+    name, wire, default = f.name, f.metadata["wire"], f.default
     if wire.shape == SCALAR:
-        return (f.default if wire.zero_is_default and not v else type(f.default)(v))
+        kind = type(default)
+        if wire.zero_is_default:
+            return lambda p: kind(getattr(p, name)) or default
+        return lambda p: kind(getattr(p, name))
     if wire.shape == OPTIONAL:
-        return int(v) if p.HasField(f.name) else None
+        return lambda p: int(getattr(p, name)) if p.HasField(name) else None
     if wire.shape == REPEATED:
-        return tuple(int(t) for t in v)
+        return lambda p: tuple(int(t) for t in getattr(p, name))
     if wire.shape == MAP:
-        return tuple(sorted((int(k), float(x)) for k, x in v.items()))
+        return lambda p: tuple(sorted((int(k), float(x)) for k, x in getattr(p, name).items()))
     if wire.shape == SEQUENCES:
-        return tuple(tuple(int(t) for t in seq.token_ids) for seq in v)
-    return (v.kind, v.source) if v.kind else None  # GRAMMAR
+        return lambda p: tuple(tuple(int(t) for t in seq.token_ids) for seq in getattr(p, name))
+    return lambda p: (lambda g: (g.kind, g.source) if g.kind else None)(getattr(p, name))  # GRAMMAR
+
+
+# Built once from the declaration: a request's conversion is then a loop over plain tuples.
+_READERS = tuple((f.name, _reader(f)) for f in FIELDS)
+_BY_SHAPE = {shape: tuple(f.name for f in FIELDS if f.metadata["wire"].shape == shape)
+             for shape in (SCALAR, OPTIONAL, REPEATED, MAP, SEQUENCES, GRAMMAR)}
+_SCALARS = _BY_SHAPE[SCALAR]
+_scalar_values = attrgetter(*_SCALARS)
 
 
 def params_from_pb(p: wpb.SamplingParams) -> SamplingParams:
     """Raises ValueError on invalid values (the servicer maps it to INVALID_ARGUMENT)."""
-    return SamplingParams(**{f.name: _read(p, f) for f in FIELDS})
+    return SamplingParams(**{name: read(p) for name, read in _READERS})
 
 
 def params_to_pb(p: SamplingParams) -> wpb.SamplingParams:
-    plain: dict = {}
-    for f in FIELDS:
-        shape, v = f.metadata["wire"].shape, getattr(p, f.name)
-        if shape in (SCALAR, REPEATED):
-            plain[f.name] = list(v) if shape == REPEATED else v
-        elif shape == MAP:
-            plain[f.name] = dict(v)
-        elif shape == SEQUENCES:
-            plain[f.name] = [wpb.TokenSequence(token_ids=list(seq)) for seq in v]
-        elif v is not None:  # OPTIONAL, GRAMMAR: absent when None
-            plain[f.name] = wpb.Grammar(kind=v[0], source=v[1]) if shape == GRAMMAR else v
+    plain = dict(zip(_SCALARS, _scalar_values(p), strict=True))
+    # empty containers and None are left out: the proto's empty default, and passing them costs
+    for name in _BY_SHAPE[REPEATED]:
+        if v := getattr(p, name):
+            plain[name] = v
+    for name in _BY_SHAPE[MAP]:
+        if v := getattr(p, name):
+            plain[name] = dict(v)
+    for name in _BY_SHAPE[SEQUENCES]:
+        if v := getattr(p, name):
+            plain[name] = [wpb.TokenSequence(token_ids=seq) for seq in v]
+    for name in _BY_SHAPE[OPTIONAL]:
+        if (v := getattr(p, name)) is not None:
+            plain[name] = v
+    for name in _BY_SHAPE[GRAMMAR]:
+        if (v := getattr(p, name)) is not None:
+            plain[name] = wpb.Grammar(kind=v[0], source=v[1])
     return wpb.SamplingParams(**plain)
 
 

@@ -53,7 +53,8 @@ class Wire:
 @dataclass(frozen=True)
 class Api:
     """The range a client's value of the same name may take (the OpenAI / vLLM API's, which may
-    be wider than the engine's: the router maps the extra values, e.g. top_p 0 to greedy)."""
+    be wider than the engine's: the router maps the extra values, e.g. top_p 0 to greedy).
+    A boolean field has no range: Api() just says clients set it."""
 
     lo: float | None = None
     hi: float | None = None
@@ -73,13 +74,13 @@ class SamplingParams:
     temperature: float = param(1.0, range=Range(0.0), api=Api(0.0, 2.0))  # 0 means greedy
     top_p: float = param(1.0, wire=Wire(zero_is_default=True), range=Range(0.0, 1.0, lo_open=True),
                          api=Api(0.0, 1.0))
-    top_k: int = param(0)  # 0 or negative: disabled
+    top_k: int = param(0, api=Api(-1))  # 0 or negative: disabled (the API spells it -1)
     seed: int | None = param(None, wire=Wire(OPTIONAL))
     max_tokens: int = param(16, wire=Wire(zero_is_default=True), range=Range(1))
     # Sampling never picks one of these before min_tokens are generated; the router puts the
     # model's eos ids here too (unless ignore_eos), so min_tokens holds eos back as well.
     stop_token_ids: tuple[int, ...] = param(factory=tuple, wire=Wire(REPEATED))
-    ignore_eos: bool = param(False)
+    ignore_eos: bool = param(False, api=Api())
     # vLLM's definitions (services/engine/logits_processors.py): presence and frequency over the
     # generated tokens, repetition over prompt + generated; logit_bias added to the raw logits.
     presence_penalty: float = param(0.0, range=Range(-2.0, 2.0), api=Api(-2.0, 2.0))
@@ -151,5 +152,6 @@ _RANGE_CHECKS = tuple((f.name, r.lo, r.hi, r.lo_open, r) for f in RANGED for r i
 
 
 def api_fields() -> tuple[tuple[str, Any, Api], ...]:
-    """(name, default, API range) of the scalar fields a client sets under the same name."""
+    """(name, default, API range) of the scalar fields a client sets under the same name; the
+    default's type is the JSON type the router accepts (bool, int, or a number for float)."""
     return tuple((f.name, f.default, f.metadata["api"]) for f in FIELDS if f.metadata["api"] is not None)

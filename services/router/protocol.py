@@ -174,16 +174,20 @@ def _with_defaults(body: dict, info: ModelInfo) -> dict:
 
 
 def _declared(body: dict, kw: dict) -> None:
-    """The plain scalar sampling fields (temperature, top_p, min_p, the penalties, min_tokens),
-    each read under its own name with the API range SamplingParams declares for it."""
+    """The plain scalar sampling fields (temperature, top_p, top_k, min_p, the penalties,
+    min_tokens, ignore_eos), each read under its own name with the API range SamplingParams
+    declares for it."""
     for name, default, api in api_fields():
-        get = get_int if type(default) is int else get_float
-        kw[name] = get(body, name, default, api.lo, api.hi)
+        if type(default) is bool:
+            kw[name] = get_bool(body, name, default)
+        else:
+            get = get_int if type(default) is int else get_float
+            kw[name] = get(body, name, default, api.lo, api.hi)
 
 
 def _sampling(body: dict, spec_kw: dict) -> None:
     _declared(body, spec_kw)
-    top_k = get_int(body, "top_k", 0, -1)
+    top_k = spec_kw["top_k"]
     if top_k == -1 or top_k > INT32_MAX:
         top_k = 0  # vLLM spells "disabled" as -1; beyond any vocabulary it keeps every token anyway
     if spec_kw["top_p"] == 0.0:  # "only the most likely token", as OpenAI reads it
@@ -359,7 +363,6 @@ def _common(body: dict, info: ModelInfo, kind: str) -> dict[str, Any]:
     _token_masks(body, info.tokenizer, kw)
     kw["stop"], kw["stop_token_ids"] = _stop(body, info.tokenizer.vocab_size)
     kw["stream"], kw["include_usage"], kw["continuous_usage"] = _stream(body)
-    kw["ignore_eos"] = get_bool(body, "ignore_eos", False)
     kw["skip_special_tokens"] = get_bool(body, "skip_special_tokens", True)
     kw["include_stop_str_in_output"] = get_bool(body, "include_stop_str_in_output", False)
     kw["request_id"], kw["session_id"] = _ids_of_request(body)

@@ -26,6 +26,7 @@ from services.common.sampling_params import (
     param,
 )
 from services.common.wire import check_declaration, params_from_pb, params_to_pb
+from services.router.errors import APIError
 from services.router.orchestrator import sampling_params
 from services.router.protocol import ModelInfo, parse_completion
 
@@ -81,10 +82,11 @@ def test_api_fields_reach_the_workers(name, default, api):
     value = _value(next(f for f in FIELDS if f.name == name))
     spec = parse_completion({"model": "m", "prompt": "hello", "max_tokens": 8, name: value}, INFO)
     assert getattr(sampling_params(spec, TOK.eos_token_ids), name) == value
-    above = (api.hi or 0) + 1
-    with pytest.raises(Exception) as e:
-        parse_completion({"model": "m", "prompt": "hello", name: above}, INFO)
-    assert getattr(e.value, "status", None) == 400 and e.value.param == name
+    bad = ["text", *([api.lo - 1] if api.lo is not None else []), *([api.hi + 1] if api.hi is not None else [])]
+    for value in bad:
+        with pytest.raises(APIError) as e:
+            parse_completion({"model": "m", "prompt": "hello", name: value}, INFO)
+        assert (e.value.status, e.value.param) == (400, name), value
 
 
 def test_the_declaration_and_the_proto_agree():

@@ -1,7 +1,6 @@
 """One admitted generation request, driven to its end: the orchestrator's runs of its choices
 (router fan-out for n > 1 and batched prompts), their chunks fed to the response state, the
-response itself (a JSON body, or SSE whose first byte waits for every choice's first token, so
-that failures before it are a proper HTTP status), metrics, and one log line.
+response itself (a JSON body here; SSE in stream_response.py), metrics, and one log line.
 
 `finish` is the one end of every path (success, failure, client gone, a cut-off stream): it
 releases the request's admission slots once and records the outcome.
@@ -10,14 +9,12 @@ releases the request's admission slots once and records the outcome.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from services.common.logging_setup import bound_room, get_logger
+from services.common.logging_setup import get_logger
 from services.router import errors
 from services.router.errors import APIError
 from services.router.fanout import FanIn, PrefillShare, Single
@@ -26,7 +23,8 @@ from services.router.leases import Lease
 from services.router.orchestrator import new_room
 from services.router.protocol import GenerateSpec
 from services.router.render import ResponseState
-from services.router.sse import DONE, ClientDisconnected, SSEResponse, run_until_disconnect, sse_event
+from services.router.sse import ClientDisconnected, run_until_disconnect
+from services.router.stream_response import stream_response
 
 log = get_logger("router")
 
@@ -202,99 +200,6 @@ class RequestDriver:
         finally:
             await self.end(status, error)
 
-    async def _first_of_each(self) -> list[tuple[int, object]]:
-        """Chunks until every choice has sent one: failures before that are still an HTTP status."""
-        got: list[tuple[int, object]] = []
-        while len({i for i, _ in got}) < len(self.choices):
-            got.append(await self.next())
-        return got
-
     async def stream(self, request: Request) -> Response:
-        try:
-            first = await run_until_disconnect(self._first_of_each(), request.receive)
-        except APIError as e:
-            await self.end(e.status, e.message)
-            return error_json(e, self.public_id)
-        except ClientDisconnected:
-            await self.end(CLIENT_CLOSED, "client disconnected")
-            return Response(status_code=CLIENT_CLOSED)
-        except BaseException:
-            await self.end(500, "internal error before the first token")
-            raise
-        outcome: dict[str, Any] = {"status": 200, "error": None}
-
-        async def on_close(disconnected: bool) -> None:
-            # Close the orchestrator's generator here, explicitly: when the client left before the
-            # event generator ever ran, nothing else would (its finally never starts), and the
-            # Decode RPC would live on until garbage collection found the generator.
-            try:
-                await self.fan.close()
-            finally:
-                if disconnected:
-                    self.finish(CLIENT_CLOSED, "client disconnected mid-stream")
-                else:
-                    self.finish(outcome["status"], outcome["error"])
-
-        response = SSEResponse(
-            self._events(first, outcome),
-            on_close,
-            bind=lambda: bound_room(self.request_id),
-            headers={"X-Request-Id": self.public_id},
-        )
-
-        def too_far_behind() -> None:
-            # its client reads slower than decode writes: cut it off, as one that stopped reading
-            log.warning("client too far behind the stream; cut off", buffered_tokens=self.fan.buffered)
-            self.router.metrics.inc(self.router.metrics.router_client_cutoffs, reason="buffer")
-            response.cut_off()
-
-        self.fan.on_overflow = too_far_behind  # type: ignore[union-attr]
-        return response
-
-    async def _events(self, first: list[tuple[int, object]], outcome: dict[str, Any]) -> AsyncIterator[bytes]:
-        # Events of every chunk already in hand go out in one write: when decode (or its many
-        # streams) gets ahead of the router, tokens are coalesced instead of costing a send each;
-        # a chunk that is not there yet is never waited for before writing what is.
-        buf: list[bytes] = []
-        try:
-            if self.spec.kind == "chat":
-                for state in self.states:
-                    buf.append(sse_event(state.role_chunk()))
-            pending = list(first)
-            while True:
-                got = pending.pop(0) if pending else self.next_nowait()
-                if got is None:
-                    if buf:
-                        yield b"".join(buf)
-                        buf.clear()
-                    got = await self.next()
-                index, chunk = got
-                state = self.states[index]
-                if state.finished:
-                    # read before the stream began (while waiting for every choice's first chunk),
-                    # after a stop string this choice's earlier chunk held: dropped, as next() would
-                    continue
-                # one event per token, whatever decode's chunking; the last one carries the finish reason
-                for text, entries, finish_reason in self.feed(index, chunk, each=True):
-                    event = state.delta_event(text, entries, finish_reason)
-                    if event is not None:
-                        buf.append(event)
-                if state.finished:
-                    # a stop string: cancel its Decode RPC before the last bytes go out
-                    await self.fan.close(index)
-                    if self.all_finished:
-                        break
-            if self.spec.include_usage:
-                buf.append(sse_event(self.state.usage_chunk(self.states)))
-        except APIError as e:
-            outcome.update(status=e.status, error=e.message)
-            buf.append(sse_event(e.body()))
-        except Exception as e:  # a bug must still end the stream properly (error event, [DONE])
-            log.exception("stream error")
-            error = APIError(500, "Internal server error.", code="internal_error")
-            outcome.update(status=500, error=repr(e))
-            buf.append(sse_event(error.body()))
-        finally:
-            await self.fan.close()
-        buf.append(DONE)
-        yield b"".join(buf)
+        """The SSE response (services/router/stream_response.py)."""
+        return await stream_response(self, request)

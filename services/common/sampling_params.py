@@ -1,77 +1,125 @@
-"""Per-request sampling parameters (torch-free: the router and the wire format use them too)."""
+"""Per-request sampling parameters (torch-free: the router and the wire format use them too).
+
+`SamplingParams` is the one declaration of a sampling field: its name, type and default, the
+range the engine accepts (`Range`, checked in `__post_init__`), how it travels in worker.proto's
+SamplingParams (`Wire`: services/common/wire.py derives both conversions from it and refuses
+to import when a field and the proto disagree), and, for the plain scalar fields a client sets
+by the same name, the range the OpenAI API accepts (`api`: services/router/protocol.py reads
+them with it). A new field is one `param(...)` line here plus its proto field.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for top_logprobs
 GRAMMAR_KINDS = ("json_schema", "regex", "lark")
+UINT32_MAX = (1 << 32) - 1
+
+
+@dataclass(frozen=True)
+class Range:
+    """A closed or half-open interval from `lo`; `hi` None: unbounded above. NaN is outside."""
+
+    lo: float
+    hi: float | None = None
+    lo_open: bool = False
+
+    def __str__(self) -> str:
+        if self.hi is None:
+            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}]"
+
+
+# How a field travels in worker.proto's SamplingParams (the proto field has the same name):
+SCALAR = "scalar"  # a proto3 scalar; `zero_is_default`: 0 on the wire reads as the default
+OPTIONAL = "optional"  # `optional` scalar: None is an absent field
+REPEATED = "repeated"  # tuple[int, ...] as a repeated scalar
+MAP = "map"  # tuple of (key, value) pairs, sorted by key, as a map
+SEQUENCES = "sequences"  # tuple of tuples of ids as repeated TokenSequence
+GRAMMAR = "grammar"  # (kind, source) or None as a Grammar message (empty kind: none)
+
+
+@dataclass(frozen=True)
+class Wire:
+    shape: str = SCALAR
+    zero_is_default: bool = False
+
+
+@dataclass(frozen=True)
+class Api:
+    """The range a client's value of the same name may take (the OpenAI / vLLM API's, which may
+    be wider than the engine's: the router maps the extra values, e.g. top_p 0 to greedy).
+    A boolean field has no range: Api() just says clients set it."""
+
+    lo: float | None = None
+    hi: float | None = None
+
+
+def param(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, wire: Wire = Wire(),
+          range: Range | None = None, api: Api | None = None) -> Any:
+    """One declared sampling field (see the module docstring)."""
+    meta = {"wire": wire, "range": range, "api": api}
+    if factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or negative: disabled
-    seed: int | None = None
-    max_tokens: int = 16
+    temperature: float = param(1.0, range=Range(0.0), api=Api(0.0, 2.0))  # 0 means greedy
+    top_p: float = param(1.0, wire=Wire(zero_is_default=True), range=Range(0.0, 1.0, lo_open=True),
+                         api=Api(0.0, 1.0))
+    top_k: int = param(0, api=Api(-1))  # 0 or negative: disabled (the API spells it -1)
+    seed: int | None = param(None, wire=Wire(OPTIONAL))
+    max_tokens: int = param(16, wire=Wire(zero_is_default=True), range=Range(1))
     # Sampling never picks one of these before min_tokens are generated; the router puts the
     # model's eos ids here too (unless ignore_eos), so min_tokens holds eos back as well.
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = param(factory=tuple, wire=Wire(REPEATED))
+    ignore_eos: bool = param(False, api=Api())
     # vLLM's definitions (services/engine/logits_processors.py): presence and frequency over the
     # generated tokens, repetition over prompt + generated; logit_bias added to the raw logits.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token id, bias), sorted
-    min_tokens: int = 0  # counted over the whole request, tokens of earlier attempts included
+    presence_penalty: float = param(0.0, range=Range(-2.0, 2.0), api=Api(-2.0, 2.0))
+    frequency_penalty: float = param(0.0, range=Range(-2.0, 2.0), api=Api(-2.0, 2.0))
+    # the API's 0 is refused by the router with its own message
+    repetition_penalty: float = param(1.0, wire=Wire(zero_is_default=True), range=Range(0.0, 10.0, lo_open=True),
+                                      api=Api(0.0, 10.0))
+    logit_bias: tuple[tuple[int, float], ...] = param(factory=tuple, wire=Wire(MAP))  # (token id, bias), sorted
+    # counted over the whole request, tokens of earlier attempts included
+    min_tokens: int = param(0, range=Range(0), api=Api(0, UINT32_MAX))
     # How many trailing ids of the worker's prompt were generated by an earlier attempt (a migrated
     # request re-submits prompt + generated): the penalties and min_tokens count them as generated.
-    num_generated: int = 0
+    num_generated: int = param(0, range=Range(0))
     # Structured output: (kind, source) with kind "json_schema" | "regex" | "lark" (see
     # services/engine/grammar.py); None: unconstrained.
-    grammar: tuple[str, str] | None = None
-    top_logprobs: int = 0  # alternatives reported beside each chosen token
+    grammar: tuple[str, str] | None = param(None, wire=Wire(GRAMMAR))
+    top_logprobs: int = param(0, range=Range(0, MAX_TOP_LOGPROBS))  # alternatives beside each chosen token
     # vLLM's min_p: after temperature, drop the tokens less likely than min_p x the most likely one.
-    min_p: float = 0.0
+    min_p: float = param(0.0, range=Range(0.0, 1.0), api=Api(0.0, 1.0))
     # vLLM's allowed_token_ids: the only ids sampling may pick (empty: all).
-    allowed_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    allowed_token_ids: tuple[int, ...] = param(factory=tuple, wire=Wire(REPEATED))
     # vLLM's bad_words as token sequences: a sequence's last id is banned while the generated ids
     # end with the rest of it (services/engine/logits_processors.py).
-    bad_words: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
+    bad_words: tuple[tuple[int, ...], ...] = param(factory=tuple, wire=Wire(SEQUENCES))
     # vLLM's prompt_logprobs: each prompt token's logprob (and rank) plus this many alternatives,
     # computed with the prompt and never read from the prefix cache; None: not asked for.
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = param(None, wire=Wire(OPTIONAL), range=Range(0, MAX_TOP_LOGPROBS))
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
-        for name in ("presence_penalty", "frequency_penalty"):
+        for name, lo, hi, lo_open, rng in _RANGE_CHECKS:
             v = getattr(self, name)
-            if not (math.isfinite(v) and -2.0 <= v <= 2.0):
-                raise ValueError(f"{name} must be in [-2, 2]")
-        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 10):
-            raise ValueError("repetition_penalty must be in (0, 10]")
+            # v != v: NaN; a bounded side also refuses the infinity beyond it
+            if v is not None and ((v <= lo if lo_open else v < lo) or (hi is not None and v > hi) or v != v):
+                raise ValueError(f"{name} must be {rng}, got {v!r}")
         for token, bias in self.logit_bias:
             if token < 0 or not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
                 raise ValueError("logit_bias entries must be (token id >= 0, bias in [-100, 100])")
-        if self.min_tokens < 0 or self.num_generated < 0:
-            raise ValueError("min_tokens and num_generated must be >= 0")
         if self.grammar is not None and self.grammar[0] not in GRAMMAR_KINDS:
             raise ValueError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}")
-        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
-        if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
-            raise ValueError("min_p must be in [0, 1]")
         if any(t < 0 for t in self.allowed_token_ids):
             raise ValueError("allowed_token_ids must be >= 0")
         if any(not seq or min(seq) < 0 for seq in self.bad_words):
@@ -95,3 +143,15 @@ class SamplingParams:
     def restricts_tokens(self) -> bool:
         """Whether some ids are masked out by allowed_token_ids or bad_words."""
         return bool(self.allowed_token_ids) or bool(self.bad_words)
+
+
+FIELDS = dataclasses.fields(SamplingParams)
+RANGED = tuple(f for f in FIELDS if f.metadata["range"] is not None)
+# what __post_init__ checks, flattened once: (name, lo, hi, lo_open, the Range for the message)
+_RANGE_CHECKS = tuple((f.name, r.lo, r.hi, r.lo_open, r) for f in RANGED for r in [f.metadata["range"]])
+
+
+def api_fields() -> tuple[tuple[str, Any, Api], ...]:
+    """(name, default, API range) of the scalar fields a client sets under the same name; the
+    default's type is the JSON type the router accepts (bool, int, or a number for float)."""
+    return tuple((f.name, f.default, f.metadata["api"]) for f in FIELDS if f.metadata["api"] is not None)

@@ -1,62 +1,107 @@
-"""Conversions between the worker protos and the engine's plain Python types."""
+"""Conversions between the worker protos and the engine's plain Python types. The sampling
+parameters' conversions are derived from their declaration (services/common/sampling_params.py)."""
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
-from services.common.sampling_params import SamplingParams
+from services.common.sampling_params import (
+    FIELDS,
+    GRAMMAR,
+    MAP,
+    OPTIONAL,
+    REPEATED,
+    SCALAR,
+    SEQUENCES,
+    SamplingParams,
+)
+
+
+def check_declaration(fields=None, descriptor=None) -> None:
+    """Every declared sampling field has a proto field of its name and shape, and every proto
+    field is declared: raises TypeError naming the first that is not (at import, so a field added
+    on one side only stops every service at start, not a request at run time)."""
+    fields = FIELDS if fields is None else fields
+    descriptor = wpb.SamplingParams.DESCRIPTOR if descriptor is None else descriptor
+    by_name = descriptor.fields_by_name
+    for f in fields:
+        wire = f.metadata.get("wire")
+        if wire is None:
+            raise TypeError(f"SamplingParams.{f.name} declares no Wire (use sampling_params.param)")
+        pf = by_name.get(f.name)
+        if pf is None:
+            raise TypeError(f"SamplingParams.{f.name} has no field in worker.proto's SamplingParams")
+        repeated = pf.is_repeated
+        ok = {
+            SCALAR: not repeated and pf.message_type is None,
+            OPTIONAL: not repeated and pf.has_presence and pf.message_type is None,
+            REPEATED: repeated and pf.message_type is None,
+            MAP: repeated and pf.message_type is not None and pf.message_type.GetOptions().map_entry,
+            SEQUENCES: repeated and pf.message_type is not None and "token_ids" in pf.message_type.fields_by_name,
+            GRAMMAR: not repeated and pf.message_type is not None and "kind" in pf.message_type.fields_by_name,
+        }.get(wire.shape, False)
+        if not ok:
+            raise TypeError(f"SamplingParams.{f.name}: declared {wire.shape}, proto field {pf.name} does not match")
+    missing = set(by_name) - {f.name for f in fields}
+    if missing:
+        raise TypeError(f"worker.proto's SamplingParams fields {sorted(missing)} are not declared in SamplingParams")
+
+
+check_declaration()
+
+
+def _reader(f):
+    """A function reading one field's value from the proto, as the engine's plain Python type."""
+    name, wire, default = f.name, f.metadata["wire"], f.default
+    if wire.shape == SCALAR:
+        kind = type(default)
+        if wire.zero_is_default:
+            return lambda p: kind(getattr(p, name)) or default
+        return lambda p: kind(getattr(p, name))
+    if wire.shape == OPTIONAL:
+        return lambda p: int(getattr(p, name)) if p.HasField(name) else None
+    if wire.shape == REPEATED:
+        return lambda p: tuple(int(t) for t in getattr(p, name))
+    if wire.shape == MAP:
+        return lambda p: tuple(sorted((int(k), float(x)) for k, x in getattr(p, name).items()))
+    if wire.shape == SEQUENCES:
+        return lambda p: tuple(tuple(int(t) for t in seq.token_ids) for seq in getattr(p, name))
+    return lambda p: (lambda g: (g.kind, g.source) if g.kind else None)(getattr(p, name))  # GRAMMAR
+
+
+# Built once from the declaration: a request's conversion is then a loop over plain tuples.
+_READERS = tuple((f.name, _reader(f)) for f in FIELDS)
+_BY_SHAPE = {shape: tuple(f.name for f in FIELDS if f.metadata["wire"].shape == shape)
+             for shape in (SCALAR, OPTIONAL, REPEATED, MAP, SEQUENCES, GRAMMAR)}
+_SCALARS = _BY_SHAPE[SCALAR]
+_scalar_values = attrgetter(*_SCALARS)
 
 
 def params_from_pb(p: wpb.SamplingParams) -> SamplingParams:
     """Raises ValueError on invalid values (the servicer maps it to INVALID_ARGUMENT)."""
-    return SamplingParams(
-        temperature=float(p.temperature),
-        top_p=float(p.top_p) if p.top_p > 0 else 1.0,
-        top_k=int(p.top_k),
-        seed=int(p.seed) if p.HasField("seed") else None,
-        max_tokens=int(p.max_tokens) if p.max_tokens else 16,
-        stop_token_ids=tuple(int(t) for t in p.stop_token_ids),
-        ignore_eos=bool(p.ignore_eos),
-        presence_penalty=float(p.presence_penalty),
-        frequency_penalty=float(p.frequency_penalty),
-        repetition_penalty=float(p.repetition_penalty) if p.repetition_penalty > 0 else 1.0,
-        logit_bias=tuple(sorted((int(k), float(v)) for k, v in p.logit_bias.items())),
-        min_tokens=int(p.min_tokens),
-        num_generated=int(p.num_generated),
-        grammar=(p.grammar.kind, p.grammar.source) if p.grammar.kind else None,
-        top_logprobs=int(p.top_logprobs),
-        min_p=float(p.min_p),
-        allowed_token_ids=tuple(int(t) for t in p.allowed_token_ids),
-        bad_words=tuple(tuple(int(t) for t in seq.token_ids) for seq in p.bad_words),
-        prompt_logprobs=int(p.prompt_logprobs) if p.HasField("prompt_logprobs") else None,
-    )
+    return SamplingParams(**{name: read(p) for name, read in _READERS})
 
 
 def params_to_pb(p: SamplingParams) -> wpb.SamplingParams:
-    msg = wpb.SamplingParams(
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,
-        max_tokens=p.max_tokens,
-        stop_token_ids=list(p.stop_token_ids),
-        ignore_eos=p.ignore_eos,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty,
-        logit_bias=dict(p.logit_bias),
-        min_tokens=p.min_tokens,
-        num_generated=p.num_generated,
-        top_logprobs=p.top_logprobs,
-        min_p=p.min_p,
-        allowed_token_ids=list(p.allowed_token_ids),
-        bad_words=[wpb.TokenSequence(token_ids=list(seq)) for seq in p.bad_words],
-    )
-    if p.grammar is not None:
-        msg.grammar.kind, msg.grammar.source = p.grammar
-    if p.seed is not None:
-        msg.seed = p.seed
-    if p.prompt_logprobs is not None:
-        msg.prompt_logprobs = p.prompt_logprobs
-    return msg
+    plain = dict(zip(_SCALARS, _scalar_values(p), strict=True))
+    # empty containers and None are left out: the proto's empty default, and passing them costs
+    for name in _BY_SHAPE[REPEATED]:
+        if v := getattr(p, name):
+            plain[name] = v
+    for name in _BY_SHAPE[MAP]:
+        if v := getattr(p, name):
+            plain[name] = dict(v)
+    for name in _BY_SHAPE[SEQUENCES]:
+        if v := getattr(p, name):
+            plain[name] = [wpb.TokenSequence(token_ids=seq) for seq in v]
+    for name in _BY_SHAPE[OPTIONAL]:
+        if (v := getattr(p, name)) is not None:
+            plain[name] = v
+    for name in _BY_SHAPE[GRAMMAR]:
+        if (v := getattr(p, name)) is not None:
+            plain[name] = wpb.Grammar(kind=v[0], source=v[1])
+    return wpb.SamplingParams(**plain)
 
 
 def top_logprobs_pb(tops) -> list[wpb.TopLogprobs]:

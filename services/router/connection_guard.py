@@ -19,7 +19,7 @@ uvicorn's, with three guards:
   longest-idle one (no request in progress: between requests, or still sending headers); when
   none is idle it is refused.
 
-The body of a request is bounded by the application (services/router/app.py, `--body-timeout`,
+The body of a request is bounded by the application (services/router/request_body.py, `--body-timeout`,
 `--max-body-reads`), which knows when it has read it; a stream's per-client buffer likewise
 (services/router/fanout.py). Both reach the connection through `CONNECTION_EXTENSION` in the
 ASGI scope, whose `abort()` cuts it.

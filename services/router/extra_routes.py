@@ -27,10 +27,8 @@ from services.router.errors import APIError
 from services.router.getters import get_bool, is_int
 from services.router.prompts import chat_prompt, check_ids, truncate
 from services.router.protocol import completion_prompt
+from services.router.request_body import PARSE_IN_THREAD_BYTES
 from services.router.tools import parse_tools
-
-PARSE_IN_THREAD_BYTES = 64 * 1024
-
 
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
@@ -47,7 +45,7 @@ def version() -> str:
 
 
 def register(app: FastAPI, router: Any) -> None:
-    """Add the routes to `app`, served by `router` (services.router.app.Router)."""
+    """Add the routes to `app`, served by `router` (services.router.service.Router)."""
     info = router.info
 
     def check_model(body: dict) -> None:

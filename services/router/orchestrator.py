@@ -39,6 +39,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from services.common.logging_setup import bound_contextvars, get_logger
 from services.common.metrics import Metrics
+from services.common.sampling_params import FIELDS as SAMPLING_FIELDS
 from services.common.sampling_params import SamplingParams
 from services.common.wire import params_to_pb
 from services.router.attempt import Attempt, Chunk, WorkerFailure
@@ -68,29 +69,26 @@ def new_room() -> int:
             return room
 
 
+# The SamplingParams fields a GenerateSpec does not hold under the same name, from what it holds:
+# the rest are copied by name, so a field declared in SamplingParams and parsed into the spec
+# reaches the workers with no line here.
+_DERIVED = ("stop_token_ids", "top_logprobs", "prompt_logprobs", "num_generated")
+_COPIED = tuple(f.name for f in SAMPLING_FIELDS if f.name not in _DERIVED)
+_absent = [n for n in _COPIED if n not in GenerateSpec.__dataclass_fields__]
+if _absent:
+    raise TypeError(f"SamplingParams fields {_absent} are neither in GenerateSpec nor derived in sampling_params()")
+
+
 def sampling_params(spec: GenerateSpec, eos_ids: Sequence[int]) -> SamplingParams:
-    """The workers' sampling parameters; the eos ids stop decode unless ignore_eos."""
+    """The workers' sampling parameters; the eos ids stop decode unless ignore_eos. The seed is
+    always set by protocol.py, so a migrated request samples the same stream."""
     stop_ids = tuple(dict.fromkeys([*spec.stop_token_ids, *([] if spec.ignore_eos else eos_ids)]))
     return SamplingParams(
-        temperature=spec.temperature,
-        top_p=spec.top_p,
-        top_k=spec.top_k,
-        seed=spec.seed,  # always set by protocol.py, so a migrated request samples the same stream
-        max_tokens=spec.max_tokens,
+        **{name: getattr(spec, name) for name in _COPIED},
         stop_token_ids=stop_ids,
-        ignore_eos=spec.ignore_eos,
-        presence_penalty=spec.presence_penalty,
-        frequency_penalty=spec.frequency_penalty,
-        repetition_penalty=spec.repetition_penalty,
-        logit_bias=spec.logit_bias,
-        min_tokens=spec.min_tokens,
-        grammar=spec.grammar,
         top_logprobs=spec.logprobs or 0,
-        min_p=spec.min_p,
-        allowed_token_ids=spec.allowed_token_ids,
-        bad_words=spec.bad_words,
         prompt_logprobs=spec.worker_prompt_logprobs,
-    )
+    )  # num_generated: 0 on a first attempt; migration.Progress sets it for a continuation
 
 
 def retry_avoids(failure: WorkerFailure, prefill: Worker, decode: Worker) -> set[Worker]:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from services.common.sampling_params import UINT32_MAX, api_fields
 from services.common.tokenizer import Tokenizer
 from services.router.errors import bad_request, invalid_type, model_not_found
 from services.router.getters import get_bool, get_float, get_int, get_str, is_int, is_number
@@ -42,7 +43,6 @@ MAX_STOP_LENGTH = 256
 MAX_LOGPROBS = 20
 MAX_N = 16  # completions per request (router fan-out: each is a full request on the workers)
 MAX_LOGIT_BIAS_ENTRIES = 1024
-UINT32_MAX = (1 << 32) - 1
 UINT64_MASK = (1 << 64) - 1
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions API
 MAX_CHOICES = 128  # prompts x n of one request: each is a full request on the workers
@@ -173,15 +173,28 @@ def _with_defaults(body: dict, info: ModelInfo) -> dict:
     return {**body, **missing} if missing else body
 
 
+def _declared(body: dict, kw: dict) -> None:
+    """The plain scalar sampling fields (temperature, top_p, top_k, min_p, the penalties,
+    min_tokens, ignore_eos), each read under its own name with the API range SamplingParams
+    declares for it."""
+    for name, default, api in api_fields():
+        if type(default) is bool:
+            kw[name] = get_bool(body, name, default)
+        else:
+            get = get_int if type(default) is int else get_float
+            kw[name] = get(body, name, default, api.lo, api.hi)
+
+
 def _sampling(body: dict, spec_kw: dict) -> None:
-    temperature = get_float(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = get_float(body, "top_p", 1.0, 0.0, 1.0)
-    spec_kw["min_p"] = get_float(body, "min_p", 0.0, 0.0, 1.0)
-    top_k = get_int(body, "top_k", 0, -1)
+    _declared(body, spec_kw)
+    top_k = spec_kw["top_k"]
     if top_k == -1 or top_k > INT32_MAX:
         top_k = 0  # vLLM spells "disabled" as -1; beyond any vocabulary it keeps every token anyway
-    if top_p == 0.0:  # "only the most likely token", as OpenAI reads it
-        top_p, top_k = 1.0, 1
+    if spec_kw["top_p"] == 0.0:  # "only the most likely token", as OpenAI reads it
+        spec_kw["top_p"], top_k = 1.0, 1
+    if spec_kw["repetition_penalty"] == 0.0:
+        raise bad_request("'repetition_penalty' must be greater than 0.", param="repetition_penalty",
+                          code="invalid_value")
     seed = body.get("seed")
     if seed is None:
         seed = secrets.randbits(63)
@@ -189,7 +202,7 @@ def _sampling(body: dict, spec_kw: dict) -> None:
         raise invalid_type("seed", "an integer", seed)
     elif not -(1 << 63) <= seed <= UINT64_MASK:
         raise bad_request("'seed' must fit in 64 bits.", param="seed", code="invalid_value")
-    spec_kw.update(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed & UINT64_MASK)
+    spec_kw.update(top_k=top_k, seed=seed & UINT64_MASK)
 
 
 def _logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
@@ -219,19 +232,8 @@ def _logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
 
 
 def _controls(body: dict, vocab_size: int, kw: dict) -> None:
-    """n, the penalties, logit_bias and min_tokens (vLLM's definitions, services/engine/logits_processors.py)."""
-    kw.update(
-        n=get_int(body, "n", 1, 1, MAX_N),
-        presence_penalty=get_float(body, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=get_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        logit_bias=_logit_bias(body, vocab_size),
-        min_tokens=get_int(body, "min_tokens", 0, 0, UINT32_MAX),
-    )
-    rep = get_float(body, "repetition_penalty", 1.0, 0.0, 10.0)
-    if rep == 0.0:
-        raise bad_request("'repetition_penalty' must be greater than 0.", param="repetition_penalty",
-                          code="invalid_value")
-    kw["repetition_penalty"] = rep
+    """n and logit_bias (vLLM's definitions, services/engine/logits_processors.py)."""
+    kw.update(n=get_int(body, "n", 1, 1, MAX_N), logit_bias=_logit_bias(body, vocab_size))
 
 
 def _check_min_tokens(kw: dict, max_tokens: int) -> None:
@@ -361,7 +363,6 @@ def _common(body: dict, info: ModelInfo, kind: str) -> dict[str, Any]:
     _token_masks(body, info.tokenizer, kw)
     kw["stop"], kw["stop_token_ids"] = _stop(body, info.tokenizer.vocab_size)
     kw["stream"], kw["include_usage"], kw["continuous_usage"] = _stream(body)
-    kw["ignore_eos"] = get_bool(body, "ignore_eos", False)
     kw["skip_special_tokens"] = get_bool(body, "skip_special_tokens", True)
     kw["include_stop_str_in_output"] = get_bool(body, "include_stop_str_in_output", False)
     kw["request_id"], kw["session_id"] = _ids_of_request(body)

@@ -19,7 +19,8 @@ import httpx
 import pytest
 import uvicorn
 
-from services.router.app import RouterSettings, create_app
+from services.common.config import RouterSettings
+from services.router.app import create_app
 from tests.fake_workers import Behaviour, FakeDecode, FakePrefill
 from tests.ports import free_port
 
@@ -104,7 +105,7 @@ class Cluster:
             and self.router.active == 0
             and all(w.inflight == 0 for w in self.router.pool.workers)
             # every lease taken was released (services/router/leases.py)
-            and self.router.admissions.outstanding == 0
+            and self.router.admission.ledger.outstanding == 0
             and self.router.pool.leases.outstanding == 0,
             timeout,
             f"all RPCs to end: {[(w.role, w.seen.active) for w in workers]}, router active {self.router.active}",

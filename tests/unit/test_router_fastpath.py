@@ -7,6 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from services.router import generation_routes
 from tests.unit.test_router_app import Cluster, completion, post
 
 pytestmark = pytest.mark.timeout(60)
@@ -19,11 +20,11 @@ def cluster():
     c.close()
 
 
-def test_an_unhandled_error_is_the_internal_error_body(cluster):
-    def broken(*args, **kwargs):
+def test_an_unhandled_error_is_the_internal_error_body(cluster, monkeypatch):
+    async def broken(*args, **kwargs):
         raise RuntimeError("a bug")
 
-    cluster.router.parse = broken
+    monkeypatch.setattr(generation_routes, "parse_spec", broken)
     r = post(cluster, "/v1/completions", completion())
     assert r.status_code == 500
     assert r.json() == {"error": {"message": "Internal server error.", "type": "server_error", "param": None,

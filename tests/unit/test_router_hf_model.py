@@ -8,11 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from services.common.config import RouterSettings
+from services.common.model_name import served_name
 from services.common.tokenizer import load_tokenizer
-from services.router.app import Router, RouterSettings, context_length, served_name
 from services.router.errors import APIError
+from services.router.model_info import context_length
 from services.router.output import OutputText
 from services.router.protocol import parse_chat, parse_completion
+from services.router.service import Router
 from tests.unit.test_tokenizer import build_llama3_folder
 
 

@@ -89,7 +89,7 @@ def settled(c: Cluster, attempts: int, admitted: int) -> None:
     """Nothing outstanding, and the ledgers saw the expected leases taken (and all released)."""
     c.all_rpcs_ended()  # includes both ledgers' outstanding == 0
     r = c.router
-    assert r.admissions.taken == r.admissions.released == admitted
+    assert r.admission.ledger.taken == r.admission.ledger.released == admitted
     # one lease per worker of each attempt's pair: prefill + decode
     assert r.pool.leases.taken == r.pool.leases.released == 2 * attempts
 

@@ -13,8 +13,8 @@ import pytest
 from services.common.builtin_tokenizer import BuiltinTokenizer
 from services.common.grammar_spec import to_llguidance
 from services.common.tokenizer import load_tokenizer
-from services.router.app import tool_parser
 from services.router.errors import APIError
+from services.router.model_info import tool_parser
 from services.router.orchestrator import Chunk
 from services.router.output import TokenStrings
 from services.router.protocol import ModelInfo, parse_chat
@@ -79,8 +79,7 @@ def test_parser_is_detected_from_the_template_or_named(tok):
 
 
 def test_tool_call_parser_flag(tok, monkeypatch, capsys):
-    from services.common.config import ROUTER_FLAGS, parse_args
-    from services.router.app import RouterSettings
+    from services.common.config import ROUTER_FLAGS, RouterSettings, parse_args
 
     args = parse_args("router", "", ROUTER_FLAGS, ["--decode", "h:1", "--tool-call-parser", "llama3_json"])
     assert RouterSettings.from_args(args).tool_call_parser == "llama3_json"

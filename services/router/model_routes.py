@@ -1,0 +1,46 @@
+"""GET /v1/models and /v1/models/{id}: the served model under each name clients may send."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from services.router import errors
+from services.router.errors import APIError
+
+
+def model_card(router, name: str) -> dict[str, Any]:
+    """`router`: the Router (services/router/service.py)."""
+    return {
+        "id": name,
+        "object": "model",
+        "created": router.created,
+        "owned_by": "pdmesh",
+        "max_model_len": router.info.context_length,
+        # pdmesh extension: the format tool calls are parsed in (null: tools only with tool_choice none)
+        "tool_call_parser": router.info.tool_parser,
+    }
+
+
+def register(app: FastAPI, router) -> None:
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        try:
+            router.check_auth(request)
+        except APIError as e:
+            return router.error_response(e)
+        router.count(200)
+        return JSONResponse({"object": "list", "data": [model_card(router, n) for n in router.names]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> Response:
+        try:
+            router.check_auth(request)
+            if model_id != router.info.name and model_id not in router.info.aliases:
+                raise errors.model_not_found(model_id, router.info.name)
+        except APIError as e:
+            return router.error_response(e)
+        router.count(200)
+        return JSONResponse(model_card(router, model_id if model_id in router.names else router.info.name))

@@ -1,0 +1,120 @@
+"""A request's SSE response: its first byte waits for every choice's first chunk (so a failure
+before it is still an HTTP status, failed over by the orchestrator), then one event per token,
+coalesced into one write while chunks are already in hand; an error after the first byte is an
+error event and `[DONE]`. A client that falls too far behind is cut off as a stalled reader."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from services.common.logging_setup import bound_room, get_logger
+from services.router.errors import APIError
+from services.router.http_errors import CLIENT_CLOSED, error_json
+from services.router.sse import DONE, ClientDisconnected, SSEResponse, run_until_disconnect, sse_event
+
+log = get_logger("router")
+
+
+async def _first_of_each(driver) -> list[tuple[int, object]]:
+    """Chunks until every choice has sent one: failures before that are still an HTTP status."""
+    got: list[tuple[int, object]] = []
+    while len({i for i, _ in got}) < len(driver.choices):
+        got.append(await driver.next())
+    return got
+
+
+async def stream_response(driver, request: Request) -> Response:
+    """`driver`: the RequestDriver (services/router/request_driver.py) of an admitted request."""
+    try:
+        first = await run_until_disconnect(_first_of_each(driver), request.receive)
+    except APIError as e:
+        await driver.end(e.status, e.message)
+        return error_json(e, driver.public_id)
+    except ClientDisconnected:
+        await driver.end(CLIENT_CLOSED, "client disconnected")
+        return Response(status_code=CLIENT_CLOSED)
+    except BaseException:
+        await driver.end(500, "internal error before the first token")
+        raise
+    outcome: dict[str, Any] = {"status": 200, "error": None}
+
+    async def on_close(disconnected: bool) -> None:
+        # Close the orchestrator's generator here, explicitly: when the client left before the
+        # event generator ever ran, nothing else would (its finally never starts), and the
+        # Decode RPC would live on until garbage collection found the generator.
+        try:
+            await driver.fan.close()
+        finally:
+            if disconnected:
+                driver.finish(CLIENT_CLOSED, "client disconnected mid-stream")
+            else:
+                driver.finish(outcome["status"], outcome["error"])
+
+    response = SSEResponse(
+        _events(driver, first, outcome),
+        on_close,
+        bind=lambda: bound_room(driver.request_id),
+        headers={"X-Request-Id": driver.public_id},
+    )
+
+    def too_far_behind() -> None:
+        # its client reads slower than decode writes: cut it off, as one that stopped reading
+        log.warning("client too far behind the stream; cut off", buffered_tokens=driver.fan.buffered)
+        driver.router.metrics.inc(driver.router.metrics.router_client_cutoffs, reason="buffer")
+        response.cut_off()
+
+    driver.fan.on_overflow = too_far_behind  # type: ignore[union-attr]
+    return response
+
+
+async def _events(driver, first: list[tuple[int, object]], outcome: dict[str, Any]) -> AsyncIterator[bytes]:
+    # Events of every chunk already in hand go out in one write: when decode (or its many
+    # streams) gets ahead of the router, tokens are coalesced instead of costing a send each;
+    # a chunk that is not there yet is never waited for before writing what is.
+    buf: list[bytes] = []
+    try:
+        if driver.spec.kind == "chat":
+            for state in driver.states:
+                buf.append(sse_event(state.role_chunk()))
+        pending = list(first)
+        while True:
+            got = pending.pop(0) if pending else driver.next_nowait()
+            if got is None:
+                if buf:
+                    yield b"".join(buf)
+                    buf.clear()
+                got = await driver.next()
+            index, chunk = got
+            state = driver.states[index]
+            if state.finished:
+                # read before the stream began (while waiting for every choice's first chunk),
+                # after a stop string this choice's earlier chunk held: dropped, as next() would
+                continue
+            # one event per token, whatever decode's chunking; the last one carries the finish reason
+            for text, entries, finish_reason in driver.feed(index, chunk, each=True):
+                event = state.delta_event(text, entries, finish_reason)
+                if event is not None:
+                    buf.append(event)
+            if state.finished:
+                # a stop string: cancel its Decode RPC before the last bytes go out
+                await driver.fan.close(index)
+                if driver.all_finished:
+                    break
+        if driver.spec.include_usage:
+            buf.append(sse_event(driver.state.usage_chunk(driver.states)))
+    except APIError as e:
+        outcome.update(status=e.status, error=e.message)
+        buf.append(sse_event(e.body()))
+    except Exception as e:  # a bug must still end the stream properly (error event, [DONE])
+        log.exception("stream error")
+        error = APIError(500, "Internal server error.", code="internal_error")
+        outcome.update(status=500, error=repr(e))
+        buf.append(sse_event(error.body()))
+    finally:
+        await driver.fan.close()
+    buf.append(DONE)
+    yield b"".join(buf)

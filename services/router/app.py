@@ -1,6 +1,7 @@
 """The router's HTTP surface: the OpenAI API on FastAPI + uvicorn.
 
-POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /v1/models[/{id}],
+POST /v1/completions, POST /v1/chat/completions (JSON or SSE; POST /v1/responses is translated
+into chat, services/router/responses_route.py), GET /v1/models[/{id}],
 GET /health (200 while a healthy prefill+decode pair exists, else 503), GET /metrics.
 
 Order of checks for a generation request: API key (401) → the router's admission budget
@@ -27,7 +28,7 @@ import asyncio
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -50,7 +51,7 @@ from services.common.tokenizer import (
     load_tokenizer,
     resolve_model_path,
 )
-from services.router import errors, extra_routes, model_controls, openapi
+from services.router import errors, extra_routes, model_controls, openapi, responses_route
 from services.router.cache_reset import reset_prefix_caches
 from services.router.canary import Canary
 from services.router.errors import APIError
@@ -339,7 +340,10 @@ class Router:
 
     # --- generation -----------------------------------------------------------------------------
 
-    async def generate(self, request: Request, kind: str) -> Response:
+    async def generate(self, request: Request, kind: str,
+                       translate: Callable[[Any], Any] | None = None) -> Response:
+        """Serve one generation request; `translate` turns another API's body into this kind's
+        (the Responses API into chat: services/router/responses_route.py), its 400s answered alike."""
         t0 = time.monotonic()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.request_timeout
@@ -356,6 +360,8 @@ class Router:
                 self.check_capacity()
                 body, size = await self.read_json(request)
                 body_in = True
+                if translate is not None:
+                    body = translate(body)
                 spec = await self.parse(kind, body, size)
                 # the slots are taken once the body is in and parsed: a client slow to send holds none
                 slots = self.admit(len(spec.prompts) * spec.n)
@@ -766,4 +772,5 @@ def create_app(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> 
 
     app.fast_error = internal_error
     extra_routes.register(app, router)
+    responses_route.register(app, router)
     return app

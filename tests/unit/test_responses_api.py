@@ -33,7 +33,7 @@ def events_of(text: str) -> list[dict]:
     return out
 
 
-def test_response_json(cluster):
+def test_response_json(cluster):  # noqa: F811
     r = post(cluster, "/v1/responses", responses(instructions="Be brief.", metadata={"k": "v"}),
              headers={"X-Request-Id": "my-id-1"})
     assert r.status_code == 200, r.text
@@ -50,7 +50,7 @@ def test_response_json(cluster):
     cluster.all_rpcs_ended()
 
 
-def test_response_stream(cluster):
+def test_response_stream(cluster):  # noqa: F811
     r = post(cluster, "/v1/responses", responses(stream=True))
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = events_of(r.text)
@@ -74,15 +74,15 @@ def test_response_stream(cluster):
     (responses(tools=[{"type": "function", "name": "bad name!"}]), 400, "tools[0].name"),
     (responses(model="nope"), 404, "model"),
 ])
-def test_refusals_never_reach_a_worker(cluster, body, status, param):
+def test_refusals_never_reach_a_worker(cluster, body, status, param):  # noqa: F811
     r = post(cluster, "/v1/responses", body)
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param
     assert cluster.total_rooms() == 0
 
 
-def test_failure_mid_stream_is_response_failed_and_keeps_connection(cluster_factory):
-    cluster = cluster_factory(max_migrations=0)  # with migration on, the request would move instead
+def test_failure_mid_stream_is_response_failed_and_keeps_connection(cluster_factory):  # noqa: F811
+    cluster = cluster_factory(max_migrations=0)  # noqa: F811 - with migration on, the request would move instead
     cluster.decodes[0].behaviour = Behaviour(mode="fail_after", after=3, times=1)
     conn = http.client.HTTPConnection("127.0.0.1", cluster.port, timeout=10)
     conn.request("POST", "/v1/responses", json.dumps(responses(stream=True, max_output_tokens=20)),
@@ -102,7 +102,7 @@ def test_failure_mid_stream_is_response_failed_and_keeps_connection(cluster_fact
     cluster.all_rpcs_ended()
 
 
-def test_openai_sdk_responses_against_fakes(cluster):
+def test_openai_sdk_responses_against_fakes(cluster):  # noqa: F811
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="x", max_retries=0)
     out = client.responses.create(model=MODEL, input="hi", max_output_tokens=5)
@@ -120,7 +120,7 @@ def test_openai_sdk_responses_against_fakes(cluster):
     cluster.all_rpcs_ended()
 
 
-def test_openapi_lists_the_route(cluster):
+def test_openapi_lists_the_route(cluster):  # noqa: F811
     schema = httpx.get(cluster.url + "/openapi.json").json()
     body = schema["paths"]["/v1/responses"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body == {"$ref": "#/components/schemas/ResponsesRequest"}

@@ -78,7 +78,10 @@ class EventStream:
         events = []
         if self.open is None or self.open["type"] != "message":
             events += self._close()
-            item = out.message_item(out.item_ids(self.rid)[0], "", "in_progress")
+            item_id = out.item_ids(self.rid)[0]
+            if any(i["type"] == "message" for i in self.items):  # text again after a call: a new item
+                item_id += f"_{len(self.items)}"
+            item = out.message_item(item_id, "", "in_progress")
             item["content"] = []
             events += self._add(item)
             part = out.text_part("")

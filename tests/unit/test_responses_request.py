@@ -250,3 +250,16 @@ def test_error_mid_stream_is_response_failed():
     assert got[-1]["response"]["status"] == "failed"
     assert got[-1]["response"]["error"] == {"code": "server_error", "message": "decode died"}
     assert [e["type"] for e in got].count("response.failed") == 1
+
+
+def test_text_after_a_call_is_a_new_message_item():
+    got = run([chunk({"content": "a"}),
+               chunk({"tool_calls": [{"index": 0, "id": "c", "type": "function",
+                                      "function": {"name": "f", "arguments": "{}"}}]}),
+               chunk({"content": "b"}), chunk({}, "tool_calls"), chunk(usage=USAGE)])
+    output = got[-1]["response"]["output"]
+    assert [i["type"] for i in output] == ["message", "function_call", "message"]
+    assert len({i["id"] for i in output}) == 3
+    added = [e["item"]["id"] for e in got if e["type"] == "response.output_item.added"]
+    done = [e["item"]["id"] for e in got if e["type"] == "response.output_item.done"]
+    assert added == done == [i["id"] for i in output]  # each item opened and closed once, in order

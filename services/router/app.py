@@ -3,7 +3,7 @@
 POST /v1/completions, POST /v1/chat/completions (JSON or SSE: generation_routes.py),
 GET /v1/models[/{id}] (model_routes.py), GET /health (200 while a healthy prefill+decode pair
 exists, else 503), GET /metrics, POST /reset_prefix_cache (service_routes.py), vLLM's extras
-(extra_routes.py). The router object they share: service.py.
+(extra_routes.py), POST /v1/responses (translated into chat: responses_route.py). The router object they share: service.py.
 
 A streaming response starts (status 200, first SSE byte) only once decode's first token is
 in hand, so every failure before it is a proper HTTP status and is failed over to another
@@ -31,6 +31,7 @@ from services.router import (
     generation_routes,
     model_routes,
     openapi,
+    responses_route,
     service_routes,
 )
 from services.router.errors import APIError
@@ -85,4 +86,5 @@ def create_app(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> 
 
     app.fast_error = internal_error
     extra_routes.register(app, router)
+    responses_route.register(app, router)
     return app

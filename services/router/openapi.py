@@ -187,7 +187,81 @@ class ChatCompletionRequest(_Sampling):
         None, description="Handed to the chat template (and enable_thinking), as vLLM does")
 
 
-MODELS = (CompletionRequest, ChatCompletionRequest)
+class InputTextPart(_Body):
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class InputMessage(_Body):
+    type: Literal["message"] | None = None
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[InputTextPart]
+
+
+class FunctionCallItem(_Body):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str = Field(description="The arguments as a JSON object's text")
+
+
+class FunctionCallOutputItem(_Body):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[InputTextPart]
+
+
+class FunctionTool(_Body):
+    type: Literal["function"]
+    name: str = Field(pattern=NAME_PATTERN.pattern)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionToolChoice(_Body):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(None, min_length=1, description="Required when type is 'json_schema'")
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextConfig(_Body):
+    format: TextFormat | None = None
+
+
+class ReasoningConfig(_Body):
+    effort: Literal[REASONING_EFFORTS] | None = Field(  # type: ignore[valid-type]
+        None, description="Handed to the chat template, as the chat route's reasoning_effort")
+
+
+class ResponsesRequest(_Body):
+    """OpenAI's Responses API, stateless (services/router/responses_request.py)."""
+
+    model: str = Field(description="The served model name (see GET /v1/models)")
+    input: str | list[InputMessage | FunctionCallItem | FunctionCallOutputItem] = Field(min_length=1)
+    instructions: str | None = Field(None, description="A system message before the input")
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    stream: bool | None = None
+    tools: list[FunctionTool] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    user: str | None = Field(None, description="Informational")
+    metadata: dict[str, Any] | None = Field(None, description="Informational")
+    store: Literal[False] | None = Field(None, description="Only false: nothing is stored (true is a 400)")
+
+
+MODELS = (CompletionRequest, ChatCompletionRequest, ResponsesRequest)
 
 
 def component_schemas(model_names: list[str]) -> dict[str, Any]:

@@ -22,6 +22,11 @@ def before_call(ctx, case, **kwargs):
     body = case.body
     if not isinstance(body, dict):
         return
+    if "input" in body and "messages" not in body and "prompt" not in body:  # /v1/responses
+        value = body.get("max_output_tokens")
+        if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > MAX_NEW_TOKENS):
+            body["max_output_tokens"] = MAX_NEW_TOKENS
+        return
     for name in ("max_tokens", "max_completion_tokens"):
         value = body.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value > MAX_NEW_TOKENS:

@@ -1,0 +1,84 @@
+"""The Response object of OpenAI's Responses API, built from the chat completion that served it.
+
+One chat choice becomes the `output` list: a `message` item holding the reply's text as one
+`output_text` part (when there is text, or nothing else), then one `function_call` item per tool
+call. A reply cut by max_tokens is `incomplete` with reason `max_output_tokens`. `output_text`
+is left to the SDK, which derives it from `output`, as OpenAI's server does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def response_id(chat_id: str) -> str:
+    """resp_<the request's id>: the same id the chat completion (and X-Request-Id) carries."""
+    return "resp_" + chat_id.split("-", 1)[-1]
+
+
+def item_ids(rid: str) -> tuple[str, str]:
+    """The message item's id and the prefix of the function-call items' ids."""
+    suffix = rid[len("resp_"):]
+    return "msg_" + suffix, "fc_" + suffix
+
+
+def usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
+    if chat_usage is None:
+        return None
+    return {
+        "input_tokens": chat_usage["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": (chat_usage.get("prompt_tokens_details") or {})
+                                 .get("cached_tokens", 0)},
+        "output_tokens": chat_usage["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": 0},  # no reasoning parser: none is told apart
+        "total_tokens": chat_usage["total_tokens"],
+    }
+
+
+def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "message", "status": status, "role": "assistant",
+            "content": [text_part(text)]}
+
+
+def text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "function_call", "status": status, "call_id": call_id, "name": name,
+            "arguments": arguments}
+
+
+def envelope(rid: str, created: int, model: str, echo: dict[str, Any], status: str,
+             output: list[dict[str, Any]], chat_usage: dict[str, Any] | None,
+             error: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The Response object around `output` (its status: in_progress, completed, incomplete, failed)."""
+    return {
+        "id": rid,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "error": error,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "model": model,
+        "output": output,
+        **echo,
+        "usage": usage(chat_usage),
+    }
+
+
+def from_chat(chat: dict[str, Any], echo: dict[str, Any]) -> dict[str, Any]:
+    """The Response object of a (non-streamed) chat completion with one choice."""
+    rid = response_id(chat["id"])
+    msg_id, fc_prefix = item_ids(rid)
+    choice = chat["choices"][0]
+    message = choice["message"]
+    status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+    calls = message.get("tool_calls") or []
+    output = []
+    if message.get("content") or not calls:
+        output.append(message_item(msg_id, message.get("content") or "", status))
+    for i, call in enumerate(calls):
+        fn = call["function"]
+        output.append(call_item(f"{fc_prefix}_{i}", call["id"], fn["name"], fn["arguments"], "completed"))
+    return envelope(rid, chat["created"], chat["model"], echo, status, output, chat.get("usage"))

@@ -1,0 +1,304 @@
+"""OpenAI's Responses API request, translated into the chat-completions body the router serves.
+
+Stateless: nothing is stored, so `store` may only be absent or false, and whatever needs a stored
+response or conversation (`previous_response_id`, `conversation`, `background`, item references,
+stored `prompt` templates) is a 400 naming the field. The translation only builds a chat body;
+every check of the chat route (model, sampling ranges, tools, structured output, context length)
+then applies unchanged, so both routes accept exactly the same things.
+
+What maps where:
+  input (a string, or message / function_call / function_call_output items) -> messages
+  instructions -> a system message first;  max_output_tokens -> max_tokens
+  tools [{type: function, name, ...}] -> [{type: function, function: {name, ...}}];  tool_choice likewise
+  text.format {type: json_object | json_schema, name, schema, strict} -> response_format
+  reasoning.effort -> reasoning_effort (handed to the chat template, as the chat route does)
+  metadata, user, safety_identifier, prompt_cache_key, service_tier, stream_options: informational
+Fields neither Responses nor vLLM defines are ignored, as on the other routes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from services.router.errors import bad_request, invalid_type
+from services.router.getters import get_bool, get_int, get_str
+
+MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+TEXT_PARTS = ("input_text", "output_text")
+UINT32_MAX = (1 << 32) - 1
+
+# Responses fields this router cannot honour, with the value(s) that mean "not asked for"
+REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "previous_response_id": ("this server is stateless and stores no responses; send the whole conversation "
+                             "as 'input'", (None,)),
+    "conversation": ("this server is stateless and stores no conversations; send the whole conversation "
+                     "as 'input'", (None,)),
+    "background": ("background responses need stored responses, and this server stores none", (None, False)),
+    "prompt": ("stored prompt templates are not supported; send the prompt as 'input'", (None,)),
+    "max_tool_calls": ("a cap on built-in tool calls is not supported (only function tools are)", (None,)),
+    "top_logprobs": ("logprobs are not returned on this endpoint (use /v1/chat/completions)", (None, 0)),
+    "truncation": ("only 'disabled' is supported: a prompt over the context is refused, not cut", (None, "disabled")),
+}
+
+
+@dataclass(frozen=True)
+class ResponsesRequest:
+    chat: dict[str, Any]  # the chat-completions body that serves it
+    echo: dict[str, Any]  # the request's settings, as the Response object repeats them
+    stream: bool
+
+
+def translate(body: Any) -> ResponsesRequest:
+    """The chat body of a Responses request; a 400 naming the field for anything it cannot serve."""
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.", code="invalid_json")
+    _refuse(body)
+    stream = get_bool(body, "stream", False)
+    chat: dict[str, Any] = {"model": body.get("model"), "messages": _messages(body)}
+    if stream:
+        chat["stream"] = True
+        chat["stream_options"] = {"include_usage": True}  # the final event carries usage
+    max_output = get_int(body, "max_output_tokens", None, 1, UINT32_MAX)
+    if max_output is not None:
+        chat["max_tokens"] = max_output
+    for name in ("temperature", "top_p"):
+        if body.get(name) is not None:
+            chat[name] = body[name]  # ranges checked by the chat route
+    tools = _tools(body.get("tools"))
+    if tools:
+        chat["tools"] = tools
+    choice = _tool_choice(body.get("tool_choice"))
+    if choice is not None:
+        chat["tool_choice"] = choice
+    parallel = get_bool(body, "parallel_tool_calls", True)
+    if body.get("parallel_tool_calls") is not None:
+        chat["parallel_tool_calls"] = parallel
+    text = _text(body.get("text"))
+    fmt = _response_format(text.get("format"))
+    if fmt is not None:
+        chat["response_format"] = fmt
+    reasoning = _reasoning(body.get("reasoning"))
+    if reasoning.get("effort") is not None:
+        chat["reasoning_effort"] = reasoning["effort"]
+    for name in ("user", "safety_identifier", "prompt_cache_key"):
+        get_str(body, name, None)  # informational, but still typed
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise invalid_type("metadata", "an object", metadata)
+    echo = {
+        "instructions": body.get("instructions"),
+        "max_output_tokens": max_output,
+        "metadata": metadata or {},
+        "parallel_tool_calls": parallel,
+        "temperature": chat.get("temperature", 1.0),
+        "top_p": chat.get("top_p", 1.0),
+        "tool_choice": body.get("tool_choice") if body.get("tool_choice") is not None else "auto",
+        "tools": body.get("tools") or [],
+        "text": {"format": text.get("format") or {"type": "text"}},
+        "reasoning": {"effort": reasoning.get("effort"), "summary": None},
+        "store": False,
+        "background": False,
+        "previous_response_id": None,
+        "truncation": "disabled",
+        "user": body.get("user"),
+    }
+    return ResponsesRequest(chat=chat, echo=echo, stream=stream)
+
+
+def _refuse(body: dict) -> None:
+    if body.get("store") is not None and get_bool(body, "store", False):
+        raise bad_request("'store' must be false or absent: this server is stateless and stores no responses.",
+                          param="store", code="unsupported_value")
+    for name, (reason, defaults) in REFUSED.items():
+        value = body.get(name)
+        if not any(value is d if d is None or isinstance(d, bool) else value == d for d in defaults):
+            raise bad_request(f"'{name}' is not supported: {reason}.", param=name, code="unsupported_value")
+    include = body.get("include")
+    if include is not None:
+        if not isinstance(include, list):
+            raise invalid_type("include", "an array", include)
+        if include:
+            raise bad_request("'include' is not supported: the response holds no extra data to include.",
+                              param="include", code="unsupported_value")
+
+
+# --- input -> messages ------------------------------------------------------------------------
+
+
+def _messages(body: dict) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    instructions = get_str(body, "instructions", None)
+    if instructions is not None:
+        out.append({"role": "system", "content": instructions})
+    items = body.get("input")
+    if items is None:
+        raise bad_request("You must provide an input.", param="input", code="missing_required_parameter")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    elif not isinstance(items, list):
+        raise invalid_type("input", "a string or an array of input items", items)
+    if not items:
+        raise bad_request("'input' must contain at least one item.", param="input", code="empty_array")
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise invalid_type(where, "an input item object", item)
+        kind = item.get("type", "message")
+        if kind == "message":
+            out.append(_message(item, where))
+        elif kind == "function_call":
+            _function_call(item, where, out)
+        elif kind == "function_call_output":
+            out.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
+                        "content": _output_text(item.get("output"), f"{where}.output")})
+        elif kind == "item_reference":
+            raise bad_request(f"'{where}': item references need stored items, and this server stores none; "
+                              "send the item itself.", param=f"{where}.type", code="unsupported_value")
+        else:
+            raise bad_request(f"Input items of type {kind!r} are not supported; only 'message', 'function_call' "
+                              "and 'function_call_output' are.", param=f"{where}.type", code="unsupported_value")
+    return out
+
+
+def _string(obj: dict, key: str, where: str) -> str:
+    value = obj.get(key)
+    if value is None:
+        raise bad_request(f"'{where}.{key}' is required.", param=f"{where}.{key}", code="missing_required_parameter")
+    if not isinstance(value, str):
+        raise invalid_type(f"{where}.{key}", "a string", value)
+    return value
+
+
+def _message(item: dict, where: str) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in MESSAGE_ROLES:
+        raise bad_request(f"Invalid value for '{where}.role': {role!r}. Supported values are: "
+                          f"{', '.join(MESSAGE_ROLES)}.", param=f"{where}.role", code="invalid_value")
+    content = item.get("content")
+    if isinstance(content, str):
+        return {"role": role, "content": content}
+    if not isinstance(content, list):
+        raise invalid_type(f"{where}.content", "a string or an array of content parts", content)
+    texts = []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        if not isinstance(part, dict):
+            raise invalid_type(at, "a content part object", part)
+        kind = part.get("type")
+        if kind == "refusal" and role == "assistant":
+            texts.append(_string(part, "refusal", at))
+        elif kind in TEXT_PARTS:
+            texts.append(_string(part, "text", at))
+        else:
+            raise bad_request(f"Content part type {kind!r} is not supported: this model takes text only "
+                              f"({', '.join(TEXT_PARTS)}).", param=f"{at}.type", code="unsupported_value")
+    return {"role": role, "content": "".join(texts)}
+
+
+def _function_call(item: dict, where: str, out: list[dict[str, Any]]) -> None:
+    """A call the model made earlier: joins the assistant message just before it (a reply's text
+    and its calls are one chat message), or opens one."""
+    call = {"id": _string(item, "call_id", where), "type": "function",
+            "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
+    last = out[-1] if out else None
+    if last is not None and last["role"] == "assistant":
+        last.setdefault("tool_calls", []).append(call)
+    else:
+        out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+
+
+def _output_text(output: Any, where: str) -> str:
+    if isinstance(output, str):
+        return output
+    if isinstance(output, list):
+        texts = []
+        for j, part in enumerate(output):
+            if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS:
+                raise bad_request(f"'{where}[{j}]' must be an input_text part: this model takes text only.",
+                                  param=f"{where}[{j}]", code="unsupported_value")
+            texts.append(_string(part, "text", f"{where}[{j}]"))
+        return "".join(texts)
+    raise invalid_type(where, "a string or an array of input_text parts", output)
+
+
+# --- tools, text, reasoning -------------------------------------------------------------------
+
+
+def _tools(tools: Any) -> list[dict[str, Any]]:
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise invalid_type("tools", "an array", tools)
+    out = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise invalid_type(where, "a tool object", tool)
+        if tool.get("type") != "function":
+            raise bad_request(f"Tools of type {tool.get('type')!r} are not supported; only 'function' tools are.",
+                              param=f"{where}.type", code="unsupported_value")
+        fn = {"name": tool.get("name")}  # its checks are the chat route's (named tools[i].function.*)
+        for key in ("description", "parameters", "strict"):
+            if tool.get(key) is not None:
+                fn[key] = tool[key]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(choice: Any) -> Any:
+    if choice is None or isinstance(choice, str):
+        return choice  # none / auto / required, checked by the chat route
+    if not isinstance(choice, dict):
+        raise invalid_type("tool_choice", "a string or an object", choice)
+    if choice.get("type") != "function":
+        raise bad_request(f"tool_choice of type {choice.get('type')!r} is not supported; send 'none', 'auto', "
+                          "'required' or {\"type\": \"function\", \"name\": ...}.", param="tool_choice.type",
+                          code="unsupported_value")
+    return {"type": "function", "function": {"name": _string(choice, "name", "tool_choice")}}
+
+
+def _text(text: Any) -> dict[str, Any]:
+    if text is None:
+        return {}
+    if not isinstance(text, dict):
+        raise invalid_type("text", "an object", text)
+    verbosity = text.get("verbosity")
+    if verbosity not in (None, "medium"):
+        raise bad_request("'text.verbosity' is not supported (only 'medium', the default).", param="text.verbosity",
+                          code="unsupported_value")
+    return text
+
+
+def _response_format(fmt: Any) -> dict[str, Any] | None:
+    """text.format in chat's response_format shape (the flat json_schema fields nested under it)."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise invalid_type("text.format", "an object", fmt)
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        schema = {"name": _string(fmt, "name", "text.format")}
+        for key in ("schema", "strict", "description"):
+            if fmt.get(key) is not None:
+                schema[key] = fmt[key]
+        return {"type": "json_schema", "json_schema": schema}
+    raise bad_request(f"Invalid value for 'text.format.type': {kind!r}. Supported values are: text, json_object, "
+                      "json_schema.", param="text.format.type", code="invalid_value")
+
+
+def _reasoning(reasoning: Any) -> dict[str, Any]:
+    if reasoning is None:
+        return {}
+    if not isinstance(reasoning, dict):
+        raise invalid_type("reasoning", "an object", reasoning)
+    for name in ("summary", "generate_summary"):
+        if reasoning.get(name) is not None:
+            raise bad_request(f"'reasoning.{name}' is not supported: no reasoning parser is configured, so there is "
+                              "no reasoning to summarise.", param=f"reasoning.{name}", code="unsupported_value")
+    get_str(reasoning, "effort", None)
+    return reasoning

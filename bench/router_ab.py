@@ -2,7 +2,7 @@
 
 Runs the router of `--old` (a source tree, e.g. `git archive <commit> | tar -x -C DIR`, with its
 generated proto code) and the router of this tree alternately, each in its own process in front of
-one set of instant fake workers (tests/fake_workers.py), for `--rounds` rounds; each run is a closed
+one set of instant fake workers (services/fakes/workers.py), for `--rounds` rounds; each run is a closed
 loop of `--concurrency` clients for `--seconds` seconds. The medians of the rounds are compared
 (new / old): a restructure must not cost throughput (issue 23 asks new >= 0.95 x old). Everything
 shares this machine's cores, so run it on an otherwise idle machine and look at the ratio only.
@@ -26,8 +26,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import httpx  # noqa: E402
 
 from bench.router_overhead import ViaRouter, start_fake_workers, throughput  # noqa: E402
+from services.launch.ports import free_port  # noqa: E402
 from tests.integration.mesh import wait_for  # noqa: E402
-from tests.ports import free_port  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -4,7 +4,7 @@ straight to the workers (gRPC, Prefill + Decode issued together as the router do
 - added latency: N sequential requests each way, interleaved (router, direct, router, ...) so
   drift hits both alike; p50/p99/mean of each and the differences (router - direct).
 - max requests/s: a closed loop of C concurrent clients for S seconds, router vs direct; plus
-  the router alone in front of instant fake workers (tests/fake_workers.py), which is
+  the router alone in front of instant fake workers (services/fakes/workers.py), which is
   the router's own ceiling on this machine.
 
 Everything (clients, router, workers) shares this machine's cores, so the absolute numbers are
@@ -33,9 +33,9 @@ import httpx  # noqa: E402
 
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb  # noqa: E402
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc  # noqa: E402
+from services.launch.ports import free_port  # noqa: E402
 from services.router.orchestrator import new_room  # noqa: E402
 from tests.integration.mesh import ROOT, Mesh, wait_for  # noqa: E402
-from tests.ports import free_port  # noqa: E402
 
 MODEL = "pdmesh-tiny"
 
@@ -144,7 +144,7 @@ async def throughput(fn, ids: list[int], max_tokens: int, concurrency: int, seco
 def start_fake_workers(tmp: pathlib.Path) -> tuple[subprocess.Popen, str, str]:
     pp, dp = free_port(), free_port()
     log = (tmp / "fake-workers.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "tests.fake_workers", "--prefill-port", str(pp),
+    proc = subprocess.Popen([sys.executable, "-m", "services.fakes.workers", "--prefill-port", str(pp),
                              "--decode-port", str(dp)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     return proc, f"127.0.0.1:{pp}", f"127.0.0.1:{dp}"
 

@@ -24,11 +24,11 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from services.common.sampling_params import SamplingParams  # noqa: E402
+from services.fakes.worker_client import generate  # noqa: E402
 from services.prefill import watchdog  # noqa: E402
 from services.transfer.sender import SenderRoom  # noqa: E402
 from services.transfer.state import RoomState, RoomTable  # noqa: E402
 from tests.integration.mesh import Mesh, wait_for  # noqa: E402
-from tests.integration.worker_client import generate  # noqa: E402
 
 INFLIGHT_TIMEOUT = 1.0
 WATCHDOG_INTERVAL = 1.0

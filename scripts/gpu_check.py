@@ -120,7 +120,7 @@ def check_logits() -> dict:
     from services.engine.kv_pool import KVPool
     from services.engine.loader import load_model
     from services.engine.runner import DecodeItem, ModelRunner, PrefillItem
-    from tests.hf_checkpoints import save_tiny_llama, save_tiny_qwen2
+    from services.fakes.hf_checkpoints import save_tiny_llama, save_tiny_qwen2
 
     out: dict = {"tolerance": "max|Δ| <= 0.05 + 0.02*max|ref| (bf16 vs transformers bf16, cuda:0)", "models": {}}
     ok = True

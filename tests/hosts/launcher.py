@@ -1,4 +1,4 @@
-"""Start pdmesh processes on the hosts of a `Topology` (tests/hosts/netns.py): each inside its
+"""Start pdmesh processes on the hosts of a `Topology` (services/launch/netns.py): each inside its
 host's network namespace, with its own IPC/UTS namespaces and hostname, bound to the host's
 address. The test process reaches their HTTP ports from an observer host through `NsThread`.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.hosts.netns import NsThread, Topology
+from services.launch.netns import NsThread, Topology
 from tests.integration.mesh import QUEUE_GAUGES, wait_for
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

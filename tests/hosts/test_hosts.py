@@ -2,7 +2,7 @@
 decode hosts, and an outside host that holds no token and observes), real gRPC, HTTP and
 NIXL/UCX over veth, each worker in its own network, IPC and UTS namespaces (so UCX sends the KV
 over the network instead of copying it through CMA), and an internal token on every internal
-call. Links are shaped and broken with tests/hosts/netns.py (nftables, tc).
+call. Links are shaped and broken with services/launch/netns.py (nftables, tc).
 
 Router A serves all four workers; router B only p2 + d2 (a fixed pair for the partitions).
 p2's first forward hangs (`hang_forward`), which is partition 1's "while prefill computes".
@@ -24,8 +24,8 @@ import httpx
 import pytest
 
 from services.common.tokenizer import load_tokenizer
+from services.launch.netns import NetemMissing, Topology
 from tests.hosts.launcher import ROOT, HostMesh
-from tests.hosts.netns import NetemMissing, Topology
 from tests.integration.mesh import attempts_in_log, in_background, labelled_samples, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

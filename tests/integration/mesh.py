@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.ports import free_port
+from services.launch.ports import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

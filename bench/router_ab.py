@@ -27,7 +27,7 @@ import httpx  # noqa: E402
 
 from bench.router_overhead import ViaRouter, start_fake_workers, throughput  # noqa: E402
 from services.launch.ports import free_port  # noqa: E402
-from tests.integration.mesh import wait_for  # noqa: E402
+from services.launch.probes import wait_for  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

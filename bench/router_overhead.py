@@ -33,9 +33,11 @@ import httpx  # noqa: E402
 
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb  # noqa: E402
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc  # noqa: E402
+from services.launch.launcher import Launcher  # noqa: E402
 from services.launch.ports import free_port  # noqa: E402
+from services.launch.probes import wait_for  # noqa: E402
+from services.launch.proc import ROOT  # noqa: E402
 from services.router.orchestrator import new_room  # noqa: E402
-from tests.integration.mesh import ROOT, Mesh, wait_for  # noqa: E402
 
 MODEL = "pdmesh-tiny"
 
@@ -149,7 +151,7 @@ def start_fake_workers(tmp: pathlib.Path) -> tuple[subprocess.Popen, str, str]:
     return proc, f"127.0.0.1:{pp}", f"127.0.0.1:{dp}"
 
 
-async def run(args, mesh: Mesh, tmp: pathlib.Path) -> dict:
+async def run(args, mesh: Launcher, tmp: pathlib.Path) -> dict:
     p = mesh.start_prefill(wait=False)
     d = mesh.start_decode(wait=False)
     mesh.wait_healthy(p)
@@ -203,7 +205,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=4)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="router-bench-") as tmp:
-        mesh = Mesh(pathlib.Path(tmp))
+        mesh = Launcher(log_dir=pathlib.Path(tmp))
         try:
             result = asyncio.run(run(args, mesh, pathlib.Path(tmp)))
         finally:

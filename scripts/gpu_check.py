@@ -166,11 +166,11 @@ class GpuMesh:
     def __init__(self, tmp: pathlib.Path):
         import torch
 
-        from tests.integration.mesh import Mesh
+        from services.launch.launcher import Launcher
 
         n = torch.cuda.device_count()
         self.devices = ("cpu", "cpu") if CPU_DRY_RUN else ("cuda:0", "cuda:1") if n >= 2 else ("cuda:0", "cuda:0")
-        self.mesh = Mesh(tmp)
+        self.mesh = Launcher(log_dir=tmp)
         env = {"PDMESH_LOG_LEVEL": "warning"}
         self.prefill = self.mesh.start_worker("prefill", "--device", self.devices[0], "--num-pages", "2048",
                                               env=env, wait=False)

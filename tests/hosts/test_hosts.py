@@ -247,7 +247,7 @@ def test_partition_3_router_decode_mid_stream_migrates(net):
                         fault()
         return "".join(text)
 
-    text = ra.obs.call(stream)
+    text = ra.call(stream)
     assert text == expected
     victim = w[cut["host"]]
     # the cut decode finishes the orphaned request on its own (max_tokens bounds it)
@@ -304,13 +304,13 @@ def test_capped_lossy_link_output_unchanged(net):
                 "kv_transfer_ms": round(xfer * 1e3, 2), "ttft_ms_p50": round(ttft * 1e3, 1),
                 "transfer_share_of_ttft": round(xfer / ttft, 3)}
 
-    base = rb.obs.call(run)
+    base = rb.call(run)
     topo.links.cap("p2", "1gbit", burst="1mb")
     topo.links.cap("d2", "1gbit", burst="1mb")
     topo.links.loss("p2", "d2", 0.005)
     topo.links.loss("d2", "p2", 0.005)
     try:
-        shaped = rb.obs.call(run)
+        shaped = rb.call(run)
     finally:
         topo.links.uncap("p2")
         topo.links.uncap("d2")

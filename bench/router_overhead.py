@@ -21,7 +21,6 @@ import asyncio
 import json
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,9 +33,6 @@ import httpx  # noqa: E402
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb  # noqa: E402
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc  # noqa: E402
 from services.launch.launcher import Launcher  # noqa: E402
-from services.launch.ports import free_port  # noqa: E402
-from services.launch.probes import wait_for  # noqa: E402
-from services.launch.proc import ROOT  # noqa: E402
 from services.router.orchestrator import new_room  # noqa: E402
 
 MODEL = "pdmesh-tiny"
@@ -143,14 +139,6 @@ async def throughput(fn, ids: list[int], max_tokens: int, concurrency: int, seco
     return {"requests": done, "errors": errors, "seconds": round(elapsed, 2), "rps": round(done / elapsed, 1)}
 
 
-def start_fake_workers(tmp: pathlib.Path) -> tuple[subprocess.Popen, str, str]:
-    pp, dp = free_port(), free_port()
-    log = (tmp / "fake-workers.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "services.fakes.workers", "--prefill-port", str(pp),
-                             "--decode-port", str(dp)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    return proc, f"127.0.0.1:{pp}", f"127.0.0.1:{dp}"
-
-
 async def run(args, mesh: Launcher, tmp: pathlib.Path) -> dict:
     p = mesh.start_prefill(wait=False)
     d = mesh.start_decode(wait=False)
@@ -171,28 +159,19 @@ async def run(args, mesh: Launcher, tmp: pathlib.Path) -> dict:
         await direct.close()
 
     # the router's own ceiling: instant fake workers behind it
-    fake, fp, fd = start_fake_workers(tmp)
+    fake, fp, fd = mesh.start_fake_workers()
+    rproc = mesh.start_router([fp], [fd], "--log-level", "warning")
     try:
-        port = free_port()
-        rproc = subprocess.Popen([sys.executable, "-m", "services.router", "--port", str(port), "--prefill", fp,
-                                  "--decode", fd, "--log-level", "warning"], cwd=ROOT,
-                                 stdout=(tmp / "router-fake.log").open("wb"), stderr=subprocess.STDOUT)
+        fake_router = ViaRouter(rproc.http_url, args.concurrency)
         try:
-            url = f"http://127.0.0.1:{port}"
-            wait_for(lambda: httpx.get(url + "/health", timeout=2).status_code == 200, 60, "router on fake workers")
-            fake_router = ViaRouter(url, args.concurrency)
-            try:
-                await throughput(fake_router.one, ids, args.max_tokens, args.concurrency, 1.0)  # warm-up
-                out["throughput"]["router_on_instant_fake_workers"] = await throughput(
-                    fake_router.one, ids, args.max_tokens, args.concurrency, args.seconds)
-            finally:
-                await fake_router.close()
+            await throughput(fake_router.one, ids, args.max_tokens, args.concurrency, 1.0)  # warm-up
+            out["throughput"]["router_on_instant_fake_workers"] = await throughput(
+                fake_router.one, ids, args.max_tokens, args.concurrency, args.seconds)
         finally:
-            rproc.kill()
-            rproc.wait(10)
+            await fake_router.close()
     finally:
+        rproc.kill()
         fake.kill()
-        fake.wait(10)
     return out
 
 

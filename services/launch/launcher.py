@@ -92,16 +92,16 @@ class Launcher:
     # -- one process at a time
 
     def spawn(self, role: str, args: list[str], http_port: int, grpc_port: int | None,
-              env: dict | None = None, host: str = "") -> Proc:
-        """`python -m services.<role> args` where the placement puts `host`; no wait."""
+              env: dict | None = None, host: str = "", module: str = "") -> Proc:
+        """`python -m services.<role> args` (or `module`) where the placement puts `host`; no wait."""
         self._spawned += 1
         log_path = (self.log_dir / self.placement.log_name(role, host, self._spawned)) if self.log_dir else None
-        cmd = self.placement.command(host, service_command(role, args))
+        cmd = self.placement.command(host, service_command(role, args, module))
         popen = spawn(cmd, log_path, {**self.placement.env, **self.spec.env, **(env or {})}, self.spec.parent_death)
         proc = Proc(role, popen, log_path, http_port, grpc_port, list(args), host, self.placement.addr(host),
-                    dict(env or {}), self.placement.call, self.placement.keep_queue)
+                    dict(env or {}), self.placement.call, self.placement.keep_queue, module)
         self.procs.append(proc)
-        self.say(f"starting {proc.name}: python -m services.{role} {' '.join(args)}")
+        self.say(f"starting {proc.name}: python -m {module or 'services.' + role} {' '.join(args)}")
         return proc
 
     def _model_args(self) -> list[str]:
@@ -147,6 +147,20 @@ class Launcher:
             self.wait_healthy(proc)
         return proc
 
+    def start_fake_workers(self, host: str = "", wait: bool = True) -> tuple[Proc, str, str]:
+        """Instant fake prefill and decode in one process (services/fakes/workers.py, gRPC only):
+        the process and the two addresses to give a router."""
+        prefill_port, _ = self.placement.ports("prefill", host)
+        decode_port, _ = self.placement.ports("decode", host)
+        proc = self.spawn("fakes", ["--prefill-port", str(prefill_port), "--decode-port", str(decode_port)], 0,
+                          prefill_port, None, host, module="services.fakes.workers")
+        addr = self.placement.addr(host)
+        decode_addr = f"{addr}:{decode_port}"
+        if wait:
+            self.wait_serving(proc)
+            self.wait_serving(proc, addr=decode_addr)
+        return proc, proc.grpc_addr, decode_addr
+
     def restart(self, proc: Proc, wait: bool = True, drop_flags: tuple[str, ...] = (),
                 add_args: tuple[str, ...] = ()) -> Proc:
         """Kill `proc` and start the same role on the same host and ports (a new epoch), with
@@ -160,7 +174,8 @@ class Launcher:
             while flag in args:
                 i = args.index(flag)
                 del args[i : i + 2]
-        new = self.spawn(proc.role, [*args, *add_args], proc.http_port, proc.grpc_port, proc.env, proc.host)
+        new = self.spawn(proc.role, [*args, *add_args], proc.http_port, proc.grpc_port, proc.env, proc.host,
+                         proc.module)
         self.procs.remove(new)
         self.procs.insert(at, new)  # the order holds: prefills[0] is still the first prefill
         if wait:
@@ -182,16 +197,18 @@ class Launcher:
                  poll=self.placement.poll)
         self.say(f"{proc.name} is healthy ({proc.http_url}/health)")
 
-    def wait_serving(self, proc: Proc, timeout: float | None = None) -> None:
-        """Until a worker's gRPC health service reports SERVING (what the router itself probes)."""
+    def wait_serving(self, proc: Proc, timeout: float | None = None, addr: str = "") -> None:
+        """Until a worker's gRPC health service (at `addr`, default its gRPC address) reports
+        SERVING: what the router itself probes."""
         timeout = timeout or self.spec.health_timeout or self.placement.health_timeout
+        addr = addr or proc.grpc_addr
 
         def ok():
             if not proc.alive():
                 raise AssertionError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log()[-3000:]}")
-            return self.placement.call(grpc_serving, proc.grpc_addr)
+            return self.placement.call(grpc_serving, addr)
 
-        wait_for(ok, timeout, f"{proc.name} at {proc.grpc_addr} to serve gRPC", poll=self.placement.poll)
+        wait_for(ok, timeout, f"{proc.name} at {addr} to serve gRPC", poll=self.placement.poll)
 
     def assert_invariants(self, timeout: float = 10, procs: list[Proc] | None = None, nixl: bool = False) -> None:
         """All queue gauges 0 and every KV pool whole, on every live worker (of `procs`, default

@@ -25,8 +25,8 @@ from services.launch.probes import scrape_metrics
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def service_command(role: str, args: list[str]) -> list[str]:
-    return [sys.executable, "-m", f"services.{role}", *args]
+def service_command(role: str, args: list[str], module: str = "") -> list[str]:
+    return [sys.executable, "-m", module or f"services.{role}", *args]
 
 
 def spawn(cmd: list[str], log_path: pathlib.Path | None, env: dict[str, str] | None = None,
@@ -47,7 +47,7 @@ def spawn(cmd: list[str], log_path: pathlib.Path | None, env: dict[str, str] | N
 
 @dataclass
 class Proc:
-    role: str  # prefill | decode | router
+    role: str  # prefill | decode | router | fakes (services/fakes/workers.py)
     popen: subprocess.Popen
     log_path: pathlib.Path | None
     http_port: int
@@ -59,6 +59,7 @@ class Proc:
     # runs a client call where the process can be reached (an observer's namespace for a host)
     call: Callable = field(default=lambda fn, *a, **kw: fn(*a, **kw), repr=False)
     keep_queue: bool = True  # metrics(): `queue`-labelled samples under their own key
+    module: str = ""  # what it runs when not services.<role> (a restart runs it again)
 
     @property
     def grpc_addr(self) -> str:

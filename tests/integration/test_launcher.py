@@ -3,6 +3,8 @@
 - `Launcher(spec)` as a context manager: 1 prefill + 1 decode + a router, both workers SERVING
   on gRPC health, one completion through the router, then every process gone and every port
   free again;
+- the fake workers (services/fakes/workers.py) behind a real router, as the router benches run
+  them: SERVING, one request served, all stopped;
 - a service that cannot start fails `start()` with its log, and the services already started
   are stopped;
 - `make run`'s launcher (services/mesh.py) SIGKILLed: its services die with it (parent-death
@@ -61,6 +63,19 @@ def test_spec_mesh_serves_and_stops_everything(tmp_path):
     assert all(p.popen.returncode != -signal.SIGKILL for p in procs), [p.popen.returncode for p in procs]
     wait_for(lambda: all(port_free(p) for p in ports), 10, "every port of the mesh free again")
     assert sorted(f.name for f in tmp_path.iterdir()) == ["decode-2.log", "prefill-1.log", "router-3.log"]
+
+
+def test_fake_workers_behind_a_router(tmp_path):
+    with Launcher(log_dir=tmp_path) as mesh:
+        fakes, prefill, decode = mesh.start_fake_workers()
+        router = mesh.start_router([prefill], [decode], "--local-prefill-max-tokens", "0")
+        r = httpx.post(router.http_url + "/v1/completions",
+                       json={"model": "pdmesh-tiny", "prompt": [1, 2, 3], "max_tokens": 3}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 3
+        procs = list(mesh.procs)
+        assert [p.role for p in procs] == ["fakes", "router"]
+    assert all(p.popen.poll() is not None for p in procs)
 
 
 def test_failed_start_stops_what_had_started(tmp_path):

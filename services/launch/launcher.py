@@ -25,6 +25,8 @@ from __future__ import annotations
 import pathlib
 from collections.abc import Callable
 
+import httpx
+
 from services.launch.local import Local
 from services.launch.probes import QUEUE_GAUGES, grpc_serving, wait_for
 from services.launch.proc import Proc, service_command, spawn, stop_all
@@ -50,8 +52,7 @@ class Launcher:
                     self.start_worker(s.role, *s.flags, host=s.host, env=s.env, wait=False,
                                       grpc_port=s.grpc_port, http_port=s.http_port)
             prefills, decodes = self.prefills, self.decodes
-            for w in [*prefills, *decodes]:
-                self.wait_healthy(w)
+            self.wait_all_healthy([*prefills, *decodes])
             for s in self.spec.of_role("router"):
                 self.start_router(prefills, decodes, *s.flags, host=s.host, port=s.http_port, env=s.env)
         except BaseException:
@@ -128,8 +129,7 @@ class Launcher:
         """Start the workers side by side (models load in parallel), then wait for all of them."""
         ps = [self.start_prefill(*prefill_flags, wait=False) for _ in range(prefills)]
         ds = [self.start_decode(*decode_flags, wait=False) for _ in range(decodes)]
-        for w in (*ps, *ds):
-            self.wait_healthy(w)
+        self.wait_all_healthy([*ps, *ds])
         return ps, ds
 
     def start_router(self, prefills: list[Proc | str], decodes: list[Proc | str], *extra: str, host: str = "",
@@ -196,6 +196,33 @@ class Launcher:
         wait_for(ok, timeout, f"{proc.name} on {proc.addr}:{proc.http_port} to become healthy",
                  poll=self.placement.poll)
         self.say(f"{proc.name} is healthy ({proc.http_url}/health)")
+
+    def wait_all_healthy(self, procs: list[Proc], timeout: float | None = None) -> None:
+        """Until every one of `procs` answers /health 200, probed together, so one that exits
+        fails the wait at once instead of after the others have loaded."""
+        timeout = timeout or self.spec.health_timeout or self.placement.health_timeout
+        pending = list(procs)
+
+        def all_ok():
+            for proc in list(pending):
+                if not proc.alive():
+                    raise AssertionError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log()[-3000:]}")
+                try:
+                    healthy = proc.get("/health", timeout=2).status_code == 200
+                except httpx.HTTPError:
+                    healthy = False
+                if healthy:
+                    pending.remove(proc)
+                    self.say(f"{proc.name} is healthy ({proc.http_url}/health)")
+            return not pending
+
+        try:
+            wait_for(all_ok, timeout, "the workers to become healthy", poll=self.placement.poll)
+        except AssertionError as e:
+            if pending and str(e).startswith("timed out"):
+                still = ", ".join(f"{p.name} on {p.addr}:{p.http_port}" for p in pending)
+                raise AssertionError(f"{e}; still not healthy: {still}") from None
+            raise
 
     def wait_serving(self, proc: Proc, timeout: float | None = None, addr: str = "") -> None:
         """Until a worker's gRPC health service (at `addr`, default its gRPC address) reports

@@ -58,9 +58,12 @@ test: venv-dev proto
 # The long scenarios `make test` leaves out (pytest -m long, a minute or more each): the hosts
 # soak with partitions, the schemathesis walk of the OpenAPI surface, the 2P+2D kill-and-freeze
 # under load, the seeded migration, fifty random JSON schemas, the held-out perplexity, the cut
-# under load across hosts. `make test` runs their short forms (the small soak, the hosts tests,
-# the router's API tests, 2P+2D with one of each killed, the greedy migration, ten schemas, greedy
-# output against transformers).
+# under load across hosts, the 16-round growing conversation, and the second of each twin
+# scenario (the other role's crashed task or failed forward, the other aborted member of n > 1,
+# a restarted prefill's pairs, clients leaving retracted requests, supervisor start-freezes).
+# `make test` runs their short forms (the small soak, the hosts tests, the router's API tests,
+# 2P+2D with one of each killed, the greedy migration, ten schemas, greedy output against
+# transformers, 8 rounds, one of each twin).
 long-test: venv-dev proto
 	@scripts/ensure_test_tools.sh
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m long tests --ignore=tests/compose --ignore=tests/clients

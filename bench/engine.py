@@ -30,7 +30,7 @@ from services.engine.kv_pool import KVPool  # noqa: E402
 from services.engine.loader import load_model  # noqa: E402
 from services.engine.runner import DecodeItem, ModelRunner, PrefillItem  # noqa: E402
 from services.engine.sampler import Sampler  # noqa: E402
-from tests.random_schemas import random_schema  # noqa: E402
+from services.fakes.random_schemas import random_schema  # noqa: E402
 
 
 def to_transformers(loaded):

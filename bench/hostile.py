@@ -32,7 +32,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
-from tests.integration.mesh import Mesh  # noqa: E402
+from services.launch.launcher import Launcher  # noqa: E402
 
 MODEL = "pdmesh-tiny"
 HEADER_ONLY, STOP_READING = 300, 32
@@ -135,7 +135,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     extra = [part for flag in args.router_flag for part in flag.split("=", 1)]
     with tempfile.TemporaryDirectory() as tmp:
-        m = Mesh(pathlib.Path(tmp))
+        m = Launcher(log_dir=pathlib.Path(tmp))
         try:
             p = m.start_prefill(wait=False)
             d = m.start_decode(wait=False)

@@ -31,7 +31,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.router_compare import Procs, ensure_wrk, tree_cpu_seconds, wait_http  # noqa: E402
-from tests.ports import free_port  # noqa: E402
+from services.launch.ports import free_port  # noqa: E402
 
 CHUNKS = 16
 # A body per request: wrk's `request` hook writes a new prompt each time, so nothing keyed on

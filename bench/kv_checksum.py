@@ -24,8 +24,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
+from services.launch.launcher import Launcher  # noqa: E402
 from services.transfer.kv_checksum import kv_checksum  # noqa: E402
-from tests.integration.mesh import Mesh  # noqa: E402
 
 SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "64MiB": 64 << 20}
 
@@ -54,7 +54,7 @@ def hashing() -> dict:
 
 
 def mesh_run(tmp: pathlib.Path, checksum: str, tokens: int, requests: int, salt: int) -> float:
-    m = Mesh(tmp)
+    m = Launcher(log_dir=tmp)
     try:
         p, d = m.start_prefill("--kv-checksum", checksum, wait=False), m.start_decode("--kv-checksum", checksum,
                                                                                        wait=False)

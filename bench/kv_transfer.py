@@ -180,7 +180,7 @@ async def _bench_layout(name: str, max_tokens: int, reps: int, poll_interval: fl
                         cut: dict | None = None) -> dict:
     """token_list: the prompt sizes (default 16, 32, ... max_tokens); rx_prefix: a command that
     wraps the receiver (another network namespace); cut: measure a partition during a WRITE
-    (keys: links = tests.hosts.netns.Links args, src, dst, rate, tokens)."""
+    (keys: links = services.launch.netns.Links args, src, dst, rate, tokens)."""
     import torch
 
     from services.engine.kv_pool import KVPool
@@ -330,7 +330,7 @@ async def _bench_layout(name: str, max_tokens: int, reps: int, poll_interval: fl
 async def _partition_during_write(sender, pool, proc, replies, hello, agent, done, cut: dict) -> dict:
     """Post one WRITE over a link capped to cut["rate"], drop every packet between the hosts
     0.5 s later, and time the sender's error (UCX_TCP_USER_TIMEOUT bounds it)."""
-    from tests.hosts.netns import Links
+    from services.launch.netns import Links
 
     links = Links(**cut["links"])
     loop = asyncio.get_running_loop()
@@ -366,7 +366,7 @@ async def _partition_during_write(sender, pool, proc, replies, hello, agent, don
 def _across_hosts(reps: int, sizes: list[int]) -> dict:
     """Sender and receiver in two network namespaces (own IPC/UTS: UCX sees two hosts) joined by
     veth through a bridge, next to loopback; llama7b layout (128 tokens = 64 MiB, 2048 = 1 GiB)."""
-    from tests.hosts.netns import Topology, unsupported_reason
+    from services.launch.netns import Topology, unsupported_reason
 
     why = unsupported_reason()
     if why:

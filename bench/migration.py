@@ -34,7 +34,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
-from tests.integration.mesh import Mesh, wait_for  # noqa: E402
+from services.launch.launcher import Launcher  # noqa: E402
+from services.launch.probes import wait_for  # noqa: E402
 
 MODEL = "pdmesh-tiny"
 PROMPT = "Measure the migration of this request, please."
@@ -91,7 +92,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tail", type=int, default=500, help="tokens generated after the migration point")
     args = ap.parse_args(argv)
 
-    m = Mesh(pathlib.Path(tempfile.mkdtemp(prefix="bench-migration-")))
+    m = Launcher(log_dir=pathlib.Path(tempfile.mkdtemp(prefix="bench-migration-")))
     results = []
     try:
         p = m.start_prefill(wait=False)

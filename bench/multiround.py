@@ -41,7 +41,8 @@ import httpx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from tests.integration.mesh import Mesh, Proc  # noqa: E402
+from services.launch.launcher import Launcher  # noqa: E402
+from services.launch.proc import Proc  # noqa: E402
 
 MODEL = "pdmesh-tiny"
 WORDS = ("the file object returns a list of values for each key in the mapping when called with "
@@ -140,7 +141,7 @@ def main() -> None:
     convs = [conversation_turns(rng, args.turns, args.user_words) for _ in range(args.conversations)]
     quiet = {"PDMESH_LOG_LEVEL": "warning"}
     with tempfile.TemporaryDirectory() as tmp:
-        m = Mesh(pathlib.Path(tmp))
+        m = Launcher(log_dir=pathlib.Path(tmp))
         try:
             p_on, d_on = m.start_prefill(env=quiet, wait=False), m.start_decode(env=quiet, wait=False)
             off = ("--prefix-cache", "off")

@@ -33,7 +33,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
-from tests.integration.mesh import Mesh  # noqa: E402
+from services.launch.launcher import Launcher  # noqa: E402
 
 MODEL = "builtin-random"
 
@@ -66,7 +66,7 @@ def main() -> None:
     results: dict[str, dict[str, list[float]]] = {k: {"ttft_ms": [], "computed": [], "copied": []}
                                                   for k in ("shared", "fanout")}
     with tempfile.TemporaryDirectory() as tmp:
-        mesh = Mesh(pathlib.Path(tmp))
+        mesh = Launcher(log_dir=pathlib.Path(tmp))
         try:
             model = ("--model", MODEL)
             p = mesh.start_prefill(*model, wait=False)

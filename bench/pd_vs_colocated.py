@@ -46,7 +46,8 @@ import httpx
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from bench import serve  # noqa: E402
-from tests.integration.mesh import Mesh, Proc  # noqa: E402
+from services.launch.launcher import Launcher  # noqa: E402
+from services.launch.proc import Proc  # noqa: E402
 
 CHUNK = 512
 SPLIT = {
@@ -56,7 +57,7 @@ SPLIT = {
 }
 
 
-def pinned(m: Mesh, role: str, cores: set[int], *extra: str) -> Proc:
+def pinned(m: Launcher, role: str, cores: set[int], *extra: str) -> Proc:
     proc = m.start_worker(role, "--chunked-prefill-size", str(CHUNK), *extra,
                           env={"OMP_NUM_THREADS": str(len(cores)), "OMP_WAIT_POLICY": "PASSIVE",
                                "PDMESH_LOG_LEVEL": "warning"}, wait=False)
@@ -65,7 +66,7 @@ def pinned(m: Mesh, role: str, cores: set[int], *extra: str) -> Proc:
 
 
 def start_meshes(tmp: pathlib.Path) -> dict:
-    m = Mesh(tmp)
+    m = Launcher(log_dir=tmp)
     p = pinned(m, "prefill", {0})
     d = pinned(m, "decode", {1})
     c = pinned(m, "decode", {0, 1})

@@ -36,7 +36,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
-from tests.integration.mesh import Mesh, Proc, scrape_metrics, wait_for  # noqa: E402
+from services.launch.launcher import Launcher  # noqa: E402
+from services.launch.probes import scrape_metrics, wait_for  # noqa: E402
+from services.launch.proc import Proc  # noqa: E402
 
 MODEL = "pdmesh-tiny"
 ROUTER_FLAGS = ("--health-check-interval", "0.5", "--health-check-timeout", "0.5", "--shutdown-timeout", "30")
@@ -106,11 +108,11 @@ def migrations(router: Proc) -> float:
     return sum(v for k, v in m.items() if k.startswith("pdmesh:router_migrations_total"))
 
 
-def restart_worker(mesh: Mesh, old: Proc, routers: list[Proc]) -> Proc:
+def restart_worker(mesh: Launcher, old: Proc, routers: list[Proc]) -> Proc:
     old.popen.send_signal(signal.SIGTERM)
     old.popen.wait(timeout=90)
     mesh.procs.remove(old)
-    new = mesh._spawn(old.role, list(old.args), old.http_port, old.grpc_port, None)
+    new = mesh.spawn(old.role, list(old.args), old.http_port, old.grpc_port, None)
     mesh.wait_healthy(new, timeout=120)
 
     def admitted_by_all() -> bool:
@@ -134,7 +136,7 @@ def main() -> None:
     args = ap.parse_args()
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="pdmesh-rolling-"))
-    mesh = Mesh(tmp)
+    mesh = Launcher(log_dir=tmp)
     events: list[dict] = []
     t_start = time.monotonic()
 

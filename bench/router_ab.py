@@ -2,7 +2,7 @@
 
 Runs the router of `--old` (a source tree, e.g. `git archive <commit> | tar -x -C DIR`, with its
 generated proto code) and the router of this tree alternately, each in its own process in front of
-one set of instant fake workers (tests/fake_workers.py), for `--rounds` rounds; each run is a closed
+one set of instant fake workers (services/fakes/workers.py), for `--rounds` rounds; each run is a closed
 loop of `--concurrency` clients for `--seconds` seconds. The medians of the rounds are compared
 (new / old): a restructure must not cost throughput (issue 23 asks new >= 0.95 x old). Everything
 shares this machine's cores, so run it on an otherwise idle machine and look at the ratio only.
@@ -25,9 +25,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
-from bench.router_overhead import ViaRouter, start_fake_workers, throughput  # noqa: E402
-from tests.integration.mesh import wait_for  # noqa: E402
-from tests.ports import free_port  # noqa: E402
+from bench.router_overhead import ViaRouter, throughput  # noqa: E402
+from services.launch.launcher import Launcher  # noqa: E402
+from services.launch.ports import free_port  # noqa: E402
+from services.launch.probes import wait_for  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -59,15 +60,15 @@ async def main_async(args) -> dict:
     old = pathlib.Path(args.old).resolve()
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = pathlib.Path(tmp_name)
-        fake, fp, fd = start_fake_workers(tmp)
+        fakes = Launcher(log_dir=tmp)
+        _, fp, fd = fakes.start_fake_workers()
         try:
             rps: dict[str, list[float]] = {"old": [], "new": []}
             for _ in range(args.rounds):  # alternating, so drift hits both alike
                 rps["old"].append(await one_run(old, fp, fd, args, tmp / "old.log"))
                 rps["new"].append(await one_run(ROOT, fp, fd, args, tmp / "new.log"))
         finally:
-            fake.kill()
-            fake.wait(10)
+            fakes.stop()
     med = {k: statistics.median(v) for k, v in rps.items()}
     return {"concurrency": args.concurrency, "seconds": args.seconds, "max_tokens": args.max_tokens,
             "rps": rps, "median_rps": med, "new_over_old": round(med["new"] / med["old"], 3)}

@@ -2,9 +2,9 @@
 
 - **sglang-router** (Rust, PyPI `sglang-router`, installed by this script into the bench-only
   environment bench/.venv-sglang, never a pdmesh dependency) in PD mode (`--pd-disaggregation`)
-  in front of instant fake SGLang HTTP workers (bench/fake_sglang_worker.py, one process each).
+  in front of instant fake SGLang HTTP workers (services/fakes/sglang_worker.py, one process each).
 - **pdmesh's router** (`python -m services.router`) in front of instant fake gRPC workers
-  (tests/fake_workers.py's FakePrefill / FakeDecode, one process each). The fake decode puts
+  (services/fakes/workers.py's FakePrefill / FakeDecode, one process each). The fake decode puts
   the tokens it makes while a chunk is being written into the next chunk, as the real decode
   does (PDMESH_FAKE_COALESCE=0: one token per chunk); `decode_tokens_per_chunk` says how many
   a chunk carried on average.
@@ -62,7 +62,7 @@ import urllib.request
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.ports import free_port  # noqa: E402
+from services.launch.ports import free_port  # noqa: E402
 
 SGLANG_ROUTER = "sglang-router==0.3.2"
 SGLANG_VENV = ROOT / "bench" / ".venv-sglang"
@@ -210,7 +210,7 @@ def serve_fake_grpc(role: str, port: int) -> None:
     import asyncio
 
     from services.common.tokenizer import load_tokenizer
-    from tests.fake_workers import FakeDecode, FakePrefill
+    from services.fakes.workers import FakeDecode, FakePrefill
 
     script = load_tokenizer("builtin").encode("Hello, world! ", add_special_tokens=False)
 
@@ -307,7 +307,7 @@ def main() -> int:
             if "sglang" in sides:
                 sp, sd, sr = free_port(), free_port(), free_port()
                 for role, port in (("prefill", sp), ("decode", sd)):
-                    procs.start(f"sglang-fake-{role}", [sys.executable, "bench/fake_sglang_worker.py", "--port",
+                    procs.start(f"sglang-fake-{role}", [sys.executable, "services/fakes/sglang_worker.py", "--port",
                                                         str(port), "--role", role], other_cores)
                 procs.start("sglang-router", [str(sgl_py), "-m", "sglang_router.launch_router", "--pd-disaggregation",
                                               "--prefill", f"http://127.0.0.1:{sp}", "none",
@@ -401,10 +401,10 @@ def main() -> int:
         "cases": results,
         "setup": {
             "sglang": f"{SGLANG_ROUTER} --pd-disaggregation --policy round_robin, instant fake SGLang HTTP "
-                      "workers (bench/fake_sglang_worker.py), one process each",
+                      "workers (services/fakes/sglang_worker.py), one process each",
             "pdmesh": f"python -m services.router --policy round_robin --processes {processes[0]} (pdmesh_pN: "
                       "--processes N), instant fake gRPC workers "
-                      "(tests/fake_workers.py), one process each; the fake decode coalesces tokens as the "
+                      "(services/fakes/workers.py), one process each; the fake decode coalesces tokens as the "
                       f"real one does: {os.environ.get('PDMESH_FAKE_COALESCE', '1') == '1'}",
             "baseline": f"the router and fake workers of {args.baseline}" if args.baseline else None,
             "floor": "bench/router_floor.py: uvicorn + grpc.aio, Prefill + Decode per request and nothing else, "

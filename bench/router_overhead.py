@@ -4,7 +4,7 @@ straight to the workers (gRPC, Prefill + Decode issued together as the router do
 - added latency: N sequential requests each way, interleaved (router, direct, router, ...) so
   drift hits both alike; p50/p99/mean of each and the differences (router - direct).
 - max requests/s: a closed loop of C concurrent clients for S seconds, router vs direct; plus
-  the router alone in front of instant fake workers (tests/fake_workers.py), which is
+  the router alone in front of instant fake workers (services/fakes/workers.py), which is
   the router's own ceiling on this machine.
 
 Everything (clients, router, workers) shares this machine's cores, so the absolute numbers are
@@ -21,7 +21,6 @@ import asyncio
 import json
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,9 +32,8 @@ import httpx  # noqa: E402
 
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb  # noqa: E402
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc  # noqa: E402
+from services.launch.launcher import Launcher  # noqa: E402
 from services.router.orchestrator import new_room  # noqa: E402
-from tests.integration.mesh import ROOT, Mesh, wait_for  # noqa: E402
-from tests.ports import free_port  # noqa: E402
 
 MODEL = "pdmesh-tiny"
 
@@ -141,15 +139,7 @@ async def throughput(fn, ids: list[int], max_tokens: int, concurrency: int, seco
     return {"requests": done, "errors": errors, "seconds": round(elapsed, 2), "rps": round(done / elapsed, 1)}
 
 
-def start_fake_workers(tmp: pathlib.Path) -> tuple[subprocess.Popen, str, str]:
-    pp, dp = free_port(), free_port()
-    log = (tmp / "fake-workers.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "tests.fake_workers", "--prefill-port", str(pp),
-                             "--decode-port", str(dp)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    return proc, f"127.0.0.1:{pp}", f"127.0.0.1:{dp}"
-
-
-async def run(args, mesh: Mesh, tmp: pathlib.Path) -> dict:
+async def run(args, mesh: Launcher, tmp: pathlib.Path) -> dict:
     p = mesh.start_prefill(wait=False)
     d = mesh.start_decode(wait=False)
     mesh.wait_healthy(p)
@@ -169,28 +159,19 @@ async def run(args, mesh: Mesh, tmp: pathlib.Path) -> dict:
         await direct.close()
 
     # the router's own ceiling: instant fake workers behind it
-    fake, fp, fd = start_fake_workers(tmp)
+    fake, fp, fd = mesh.start_fake_workers()
+    rproc = mesh.start_router([fp], [fd], "--log-level", "warning")
     try:
-        port = free_port()
-        rproc = subprocess.Popen([sys.executable, "-m", "services.router", "--port", str(port), "--prefill", fp,
-                                  "--decode", fd, "--log-level", "warning"], cwd=ROOT,
-                                 stdout=(tmp / "router-fake.log").open("wb"), stderr=subprocess.STDOUT)
+        fake_router = ViaRouter(rproc.http_url, args.concurrency)
         try:
-            url = f"http://127.0.0.1:{port}"
-            wait_for(lambda: httpx.get(url + "/health", timeout=2).status_code == 200, 60, "router on fake workers")
-            fake_router = ViaRouter(url, args.concurrency)
-            try:
-                await throughput(fake_router.one, ids, args.max_tokens, args.concurrency, 1.0)  # warm-up
-                out["throughput"]["router_on_instant_fake_workers"] = await throughput(
-                    fake_router.one, ids, args.max_tokens, args.concurrency, args.seconds)
-            finally:
-                await fake_router.close()
+            await throughput(fake_router.one, ids, args.max_tokens, args.concurrency, 1.0)  # warm-up
+            out["throughput"]["router_on_instant_fake_workers"] = await throughput(
+                fake_router.one, ids, args.max_tokens, args.concurrency, args.seconds)
         finally:
-            rproc.kill()
-            rproc.wait(10)
+            await fake_router.close()
     finally:
+        rproc.kill()
         fake.kill()
-        fake.wait(10)
     return out
 
 
@@ -203,7 +184,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=4)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="router-bench-") as tmp:
-        mesh = Mesh(pathlib.Path(tmp))
+        mesh = Launcher(log_dir=pathlib.Path(tmp))
         try:
             result = asyncio.run(run(args, mesh, pathlib.Path(tmp)))
         finally:

@@ -24,11 +24,12 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from services.common.sampling_params import SamplingParams  # noqa: E402
+from services.fakes.worker_client import generate  # noqa: E402
+from services.launch.launcher import Launcher  # noqa: E402
+from services.launch.probes import wait_for  # noqa: E402
 from services.prefill import watchdog  # noqa: E402
 from services.transfer.sender import SenderRoom  # noqa: E402
 from services.transfer.state import RoomState, RoomTable  # noqa: E402
-from tests.integration.mesh import Mesh, wait_for  # noqa: E402
-from tests.integration.worker_client import generate  # noqa: E402
 
 INFLIGHT_TIMEOUT = 1.0
 WATCHDOG_INTERVAL = 1.0
@@ -61,7 +62,7 @@ async def fire(p, d, n: int, prompt_len: int) -> None:
     )
 
 
-def measure_evictions(mesh: Mesh, n: int, loaded: bool) -> dict:
+def measure_evictions(mesh: Launcher, n: int, loaded: bool) -> dict:
     p = mesh.start_prefill(
         "--faults", "stall_transfer", "--inflight-timeout", str(INFLIGHT_TIMEOUT),
         "--watchdog-interval", str(WATCHDOG_INTERVAL), "--chunked-prefill-size", "4096", wait=False,
@@ -96,7 +97,7 @@ def measure_evictions(mesh: Mesh, n: int, loaded: bool) -> dict:
     }
 
 
-def measure_idle_cpu(mesh: Mesh, seconds: float) -> dict:
+def measure_idle_cpu(mesh: Launcher, seconds: float) -> dict:
     p = mesh.start_prefill(wait=False)
     d = mesh.start_decode(wait=False)
     mesh.wait_healthy(p)
@@ -150,7 +151,7 @@ def main() -> None:
     args = ap.parse_args()
     out = {"bench": "watchdog", "inflight_timeout_s": INFLIGHT_TIMEOUT, "watchdog_interval_s": WATCHDOG_INTERVAL}
     with tempfile.TemporaryDirectory() as tmp:
-        mesh = Mesh(pathlib.Path(tmp))
+        mesh = Launcher(log_dir=pathlib.Path(tmp))
         try:
             out["idle_worker"] = measure_evictions(mesh, args.evictions, loaded=False)
             out["loaded_worker"] = measure_evictions(mesh, args.evictions, loaded=True)

@@ -120,7 +120,7 @@ def check_logits() -> dict:
     from services.engine.kv_pool import KVPool
     from services.engine.loader import load_model
     from services.engine.runner import DecodeItem, ModelRunner, PrefillItem
-    from tests.hf_checkpoints import save_tiny_llama, save_tiny_qwen2
+    from services.fakes.hf_checkpoints import save_tiny_llama, save_tiny_qwen2
 
     out: dict = {"tolerance": "max|Δ| <= 0.05 + 0.02*max|ref| (bf16 vs transformers bf16, cuda:0)", "models": {}}
     ok = True
@@ -166,11 +166,11 @@ class GpuMesh:
     def __init__(self, tmp: pathlib.Path):
         import torch
 
-        from tests.integration.mesh import Mesh
+        from services.launch.launcher import Launcher
 
         n = torch.cuda.device_count()
         self.devices = ("cpu", "cpu") if CPU_DRY_RUN else ("cuda:0", "cuda:1") if n >= 2 else ("cuda:0", "cuda:0")
-        self.mesh = Mesh(tmp)
+        self.mesh = Launcher(log_dir=tmp)
         env = {"PDMESH_LOG_LEVEL": "warning"}
         self.prefill = self.mesh.start_worker("prefill", "--device", self.devices[0], "--num-pages", "2048",
                                               env=env, wait=False)

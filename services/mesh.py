@@ -1,6 +1,7 @@
 """`make run`: the whole mesh on one machine — prefill, decode and router — on the built-in model.
 
-Starts the three services as child processes with the PDMESH_* settings of the environment
+Starts the three services as child processes (services/launch/launcher.py, from the spec below)
+with the PDMESH_* settings of the environment
 (the Makefile loads deploy/pdmesh.env when present), waits until each is healthy, prints a
 ready-to-paste curl, and stops everything on Ctrl-C or when any service exits. The services die
 with the launcher even when it is SIGKILLed (services/common/parent_death.py), so nothing is left
@@ -16,11 +17,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
-import urllib.request
 
-from services.common.parent_death import arm_in_child
+from services.launch.launcher import Launcher
+from services.launch.local import Local
+from services.launch.spec import MeshSpec, Service
 
 PREFILL_GRPC = int(os.environ.get("PDMESH_PREFILL_GRPC_PORT", 50051))
 PREFILL_HTTP = int(os.environ.get("PDMESH_PREFILL_HTTP_PORT", 8081))
@@ -28,35 +29,6 @@ DECODE_GRPC = int(os.environ.get("PDMESH_DECODE_GRPC_PORT", 50052))
 DECODE_HTTP = int(os.environ.get("PDMESH_DECODE_HTTP_PORT", 8082))
 ROUTER_PORT = int(os.environ.get("PDMESH_ROUTER_PORT", 8000))
 HOST = "127.0.0.1"
-
-
-def _start(role: str, args: list[str]) -> subprocess.Popen:
-    args = [*args, "--log-format", "auto"]
-    print(f"[mesh] starting {role}: python -m services.{role} {' '.join(args)}", flush=True)
-    # dies with this launcher even if it is SIGKILLed: nothing is left holding the mesh's ports
-    return subprocess.Popen([sys.executable, "-m", f"services.{role}", *args], preexec_fn=arm_in_child(os.getpid()))
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
-def _wait(procs: dict[str, subprocess.Popen], urls: dict[str, str], timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    pending = dict(urls)
-    while pending:
-        for role in list(pending):
-            if procs[role].poll() is not None:
-                raise SystemExit(f"[mesh] {role} exited with code {procs[role].returncode} during start-up")
-            if _healthy(pending[role]):
-                print(f"[mesh] {role} is healthy ({pending.pop(role)})", flush=True)
-        if time.monotonic() > deadline:
-            raise SystemExit(f"[mesh] timed out waiting for {sorted(pending)}")
-        time.sleep(0.2)
 
 
 def _devices() -> tuple[str, str]:
@@ -73,19 +45,22 @@ def _devices() -> tuple[str, str]:
     return "cpu", "cpu"
 
 
+def spec(p_dev: str, d_dev: str) -> MeshSpec:
+    auto = ("--log-format", "auto")
+    return MeshSpec(
+        (Service("prefill", ("--device", p_dev, *auto), grpc_port=PREFILL_GRPC, http_port=PREFILL_HTTP),
+         Service("decode", ("--device", d_dev, *auto), grpc_port=DECODE_GRPC, http_port=DECODE_HTTP),
+         Service("router", auto, http_port=ROUTER_PORT)),
+        # dies with this launcher even if it is SIGKILLed: nothing is left holding the mesh's ports
+        parent_death=True,
+        stop_grace=10,
+        health_timeout=300,
+    )
+
+
 def main() -> None:
     p_dev, d_dev = _devices()
     print(f"[mesh] devices: prefill {p_dev}, decode {d_dev}", flush=True)
-    procs = {
-        "prefill": _start(
-            "prefill",
-            ["--host", HOST, "--grpc-port", str(PREFILL_GRPC), "--http-port", str(PREFILL_HTTP), "--device", p_dev],
-        ),
-        "decode": _start(
-            "decode",
-            ["--host", HOST, "--grpc-port", str(DECODE_GRPC), "--http-port", str(DECODE_HTTP), "--device", d_dev],
-        ),
-    }
     stopping = False
 
     def stop(*_):
@@ -94,14 +69,13 @@ def main() -> None:
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
+    mesh = Launcher(spec(p_dev, d_dev), log_dir=None, placement=Local(bind=HOST),
+                    say=lambda msg: print(f"[mesh] {msg}", flush=True))
     try:
-        _wait(procs, {"prefill": f"http://{HOST}:{PREFILL_HTTP}/health", "decode": f"http://{HOST}:{DECODE_HTTP}/health"})
-        procs["router"] = _start(
-            "router",
-            ["--host", HOST, "--port", str(ROUTER_PORT),
-             "--prefill", f"{HOST}:{PREFILL_GRPC}", "--decode", f"{HOST}:{DECODE_GRPC}"],
-        )
-        _wait(procs, {"router": f"http://{HOST}:{ROUTER_PORT}/health"})
+        try:
+            mesh.start()
+        except AssertionError as e:  # a service exited or stayed unhealthy: the launcher stopped the rest
+            raise SystemExit(f"[mesh] {e}") from None
         print(
             f"\n[mesh] ready: router http://{HOST}:{ROUTER_PORT}  prefill metrics http://{HOST}:{PREFILL_HTTP}/metrics  "
             f"decode metrics http://{HOST}:{DECODE_HTTP}/metrics\n\n"
@@ -110,20 +84,13 @@ def main() -> None:
             "\"max_tokens\": 32}'\n\n[mesh] Ctrl-C stops everything.",
             flush=True,
         )
-        while not stopping and all(p.poll() is None for p in procs.values()):
+        while not stopping and all(p.alive() for p in mesh.procs):
             time.sleep(0.5)
-        for role, p in procs.items():
-            if p.poll() is not None and not stopping:
-                print(f"[mesh] {role} exited with code {p.returncode}; stopping the mesh", flush=True)
+        for p in mesh.procs:
+            if not p.alive() and not stopping:
+                print(f"[mesh] {p.name} exited with code {p.popen.returncode}; stopping the mesh", flush=True)
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        mesh.stop()
 
 
 if __name__ == "__main__":

@@ -290,7 +290,7 @@ def main(argv=None) -> int:
     if not args.hosts and ("partition" in (args.kinds or ()) or "partition" in args.schedule):
         ap.error("partition faults need --hosts (network namespaces)")
     if args.hosts:
-        from tests.hosts.netns import unsupported_reason
+        from services.launch.netns import unsupported_reason
         if (why := unsupported_reason()) is not None:
             ap.error(f"--hosts: {why}")
     out = pathlib.Path(args.out)

@@ -1,5 +1,5 @@
 """The chaos soak's hosts mode: the same router + 2 prefills + 2 decodes, each in its own network
-namespace (tests/hosts: netns.Topology + launcher.HostMesh), so that a prefill and a decode can
+namespace (services/launch/netns.py Topology + tests/hosts/launcher.py HostMesh), so that a prefill and a decode can
 be partitioned. The clients and the soak's own HTTP calls run on threads that have entered the
 `client` host's namespace: every address the soak speaks to lives inside namespaces it created.
 
@@ -13,8 +13,8 @@ import pathlib
 import secrets
 import threading
 
+from services.launch.netns import Topology, enter_thread
 from tests.hosts.launcher import HostMesh, HostProc
-from tests.hosts.netns import Topology, enter_thread
 
 HOSTS = ["router", "p0", "p1", "d0", "d1", "client"]
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from tests.random_schemas import random_schema
+from services.fakes.random_schemas import random_schema
 
 PRINTABLE = range(32, 127)  # the built-in tokenizer's printable bytes
 # Some requests carry a grammar, so faults and migrations also hit structured output, whose

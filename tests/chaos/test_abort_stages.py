@@ -17,8 +17,8 @@ from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.grpc_server import channel
 from services.common.sampling_params import SamplingParams
 from services.common.wire import params_to_pb
+from services.fakes.worker_client import new_room
 from tests.integration.mesh import Mesh, wait_for
-from tests.integration.worker_client import new_room
 
 pytestmark = pytest.mark.integration
 

@@ -12,8 +12,8 @@ import grpc
 import pytest
 
 from services.common.sampling_params import SamplingParams
+from services.fakes.worker_client import generate
 from tests.integration.mesh import in_background, wait_for
-from tests.integration.worker_client import generate
 
 pytestmark = pytest.mark.integration
 

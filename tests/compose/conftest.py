@@ -3,8 +3,8 @@ import time
 
 import pytest
 
+from services.launch.ports import free_port
 from tests.compose.stack import NoEngine, Stack, find_engine, prepare_wheelhouse
-from tests.ports import free_port
 
 # Test settings, passed to the containers by tests/compose/docker-compose.test.yml.
 SETTINGS = {

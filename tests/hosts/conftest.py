@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.hosts.netns import unsupported_reason
+from services.launch.netns import unsupported_reason
 
 _REASON = unsupported_reason()
 

@@ -2,7 +2,7 @@
 decode hosts, and an outside host that holds no token and observes), real gRPC, HTTP and
 NIXL/UCX over veth, each worker in its own network, IPC and UTS namespaces (so UCX sends the KV
 over the network instead of copying it through CMA), and an internal token on every internal
-call. Links are shaped and broken with tests/hosts/netns.py (nftables, tc).
+call. Links are shaped and broken with services/launch/netns.py (nftables, tc).
 
 Router A serves all four workers; router B only p2 + d2 (a fixed pair for the partitions).
 p2's first forward hangs (`hang_forward`), which is partition 1's "while prefill computes".
@@ -24,8 +24,8 @@ import httpx
 import pytest
 
 from services.common.tokenizer import load_tokenizer
+from services.launch.netns import NetemMissing, Topology
 from tests.hosts.launcher import ROOT, HostMesh
-from tests.hosts.netns import NetemMissing, Topology
 from tests.integration.mesh import attempts_in_log, in_background, labelled_samples, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -247,7 +247,7 @@ def test_partition_3_router_decode_mid_stream_migrates(net):
                         fault()
         return "".join(text)
 
-    text = ra.obs.call(stream)
+    text = ra.call(stream)
     assert text == expected
     victim = w[cut["host"]]
     # the cut decode finishes the orphaned request on its own (max_tokens bounds it)
@@ -304,13 +304,13 @@ def test_capped_lossy_link_output_unchanged(net):
                 "kv_transfer_ms": round(xfer * 1e3, 2), "ttft_ms_p50": round(ttft * 1e3, 1),
                 "transfer_share_of_ttft": round(xfer / ttft, 3)}
 
-    base = rb.obs.call(run)
+    base = rb.call(run)
     topo.links.cap("p2", "1gbit", burst="1mb")
     topo.links.cap("d2", "1gbit", burst="1mb")
     topo.links.loss("p2", "d2", 0.005)
     topo.links.loss("d2", "p2", 0.005)
     try:
-        shaped = rb.obs.call(run)
+        shaped = rb.call(run)
     finally:
         topo.links.uncap("p2")
         topo.links.uncap("d2")

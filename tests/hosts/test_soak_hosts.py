@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.hosts.netns import run
+from services.launch.netns import run
 from tests.integration.mesh import ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.long]  # `make chaos-hosts` is the full soak

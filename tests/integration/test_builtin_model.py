@@ -33,8 +33,8 @@ import httpx
 import pytest
 
 from services.common.tokenizer import BUILTIN_MODEL_DIR, load_tokenizer
+from services.launch.ports import free_port
 from tests.integration.mesh import ROOT, Mesh, Proc, wait_for
-from tests.ports import free_port
 
 pytestmark = pytest.mark.integration
 

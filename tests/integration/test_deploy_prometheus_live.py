@@ -24,9 +24,9 @@ import pytest
 import yaml
 
 from services.common.sampling_params import SamplingParams
+from services.fakes.worker_client import generate
+from services.launch.ports import free_port
 from tests.integration.mesh import wait_for
-from tests.integration.worker_client import generate
-from tests.ports import free_port
 from tests.unit.test_deploy_compose import need_tool
 
 pytestmark = pytest.mark.integration

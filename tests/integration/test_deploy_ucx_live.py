@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from services.common.sampling_params import SamplingParams
-from tests.integration.worker_client import generate
+from services.fakes.worker_client import generate
 from tests.unit.test_deploy_compose import COMPOSE, COMPOSE_CPU, _ResetLoader
 
 pytestmark = pytest.mark.integration

@@ -30,7 +30,7 @@ MAX_MODEL_LEN = 2048
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from tests.hf_checkpoints import save_tiny_llama
+    from services.fakes.hf_checkpoints import save_tiny_llama
 
     folder = save_tiny_llama(tmp_path_factory.mktemp("ckpt") / "tiny-llama-8k", vocab_size=2048,
                              max_positions=8192)

@@ -104,7 +104,7 @@ def test_a_message_list_input_is_the_same_conversation(mesh):
 def tools_mesh(tmp_path_factory):
     """A tiny random Qwen2 with a Qwen2.5-style tool template (the built-in template has no tool
     role): the router parses its replies in the hermes format."""
-    from tests.hf_checkpoints import save_tiny_qwen2_tools
+    from services.fakes.hf_checkpoints import save_tiny_qwen2_tools
 
     folder = save_tiny_qwen2_tools(tmp_path_factory.mktemp("ckpt") / "tiny-qwen2-tools")
     m = Mesh(tmp_path_factory.mktemp("responses-tools"))

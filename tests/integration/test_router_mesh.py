@@ -28,8 +28,8 @@ import pytest
 
 from services.common.sampling_params import SamplingParams
 from services.common.tokenizer import load_tokenizer
+from services.fakes.worker_client import generate
 from tests.integration.mesh import Mesh, wait_for
-from tests.integration.worker_client import generate
 
 pytestmark = pytest.mark.integration
 

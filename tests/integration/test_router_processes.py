@@ -18,10 +18,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.fakes.workers import Behaviour, FakeDecode, FakePrefill
+from services.launch.ports import free_port
 from services.router.processes import ENV_INDEX, FOLDER_PREFIX
 from services.router.shared_state import SharedState, state_path
-from tests.fake_workers import Behaviour, FakeDecode, FakePrefill
-from tests.ports import free_port
 from tests.unit.test_router_app import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

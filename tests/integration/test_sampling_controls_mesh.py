@@ -16,8 +16,8 @@ from services.common.sampling_params import SamplingParams
 from services.engine.kv_pool import KVPool
 from services.engine.loader import load_model
 from services.engine.local_generate import generate_full
+from services.fakes.worker_client import generate
 from tests.integration.mesh import Mesh
-from tests.integration.worker_client import generate
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

@@ -23,10 +23,10 @@ import pytest
 from services.common.builtin_tokenizer import BuiltinTokenizer
 from services.common.sampling_params import SamplingParams
 from services.engine.grammar import GrammarRegistry, build_tokenizer
+from services.fakes.random_schemas import random_schema
+from services.fakes.worker_client import generate
 from tests.integration.http_client import post_json, router_with_one_pair, stream_events
 from tests.integration.mesh import Mesh
-from tests.integration.worker_client import generate
-from tests.random_schemas import random_schema
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -1,7 +1,7 @@
 """Tool calls with the openai SDK through router + prefill + decode processes.
 
 The model is a tiny random Qwen2 with a Qwen2.5-style tool-calling chat template
-(tests/hf_checkpoints.py, built offline with transformers): the router detects the `hermes`
+(services/fakes/hf_checkpoints.py, built offline with transformers): the router detects the `hermes`
 format from the template. A random model never calls a tool by itself, so what is checked is
 what the router and the grammar engine guarantee:
 
@@ -62,7 +62,7 @@ MAX_TOKENS = 120  # a forced call of these schemas is well under 100 tokens
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    from tests.hf_checkpoints import save_tiny_qwen2_tools
+    from services.fakes.hf_checkpoints import save_tiny_qwen2_tools
 
     folder = save_tiny_qwen2_tools(tmp_path_factory.mktemp("ckpt") / "tiny-qwen2-tools")
     m = Mesh(tmp_path_factory.mktemp("tools-mesh"))

@@ -15,8 +15,8 @@ import pytest
 
 from services.common.refusal import Refusal, refusal_of
 from services.common.sampling_params import SamplingParams
+from services.fakes.worker_client import generate
 from tests.integration.mesh import wait_for
-from tests.integration.worker_client import generate
 
 pytestmark = pytest.mark.integration
 

@@ -20,8 +20,8 @@ from services.common.wire import params_to_pb
 from services.engine.kv_pool import KVPool
 from services.engine.loader import load_model
 from services.engine.local_generate import generate_full
+from services.fakes.worker_client import generate, new_room
 from tests.integration.mesh import Mesh, wait_for
-from tests.integration.worker_client import generate, new_room
 
 pytestmark = pytest.mark.integration
 

@@ -102,13 +102,13 @@ def test_colocated_mode_is_unchanged():
     assert route(pool, conversation(10)) == (None, pool.decodes[0])
 
 
-# --- through the router app, against scripted gRPC workers (tests/fake_workers.py) ---------------
+# --- through the router app, against scripted gRPC workers (services/fakes/workers.py) ---------------
 
 
 def test_a_held_prompt_goes_local_and_a_failed_local_attempt_goes_pd():
     import grpc
 
-    from tests.fake_workers import Behaviour
+    from services.fakes.workers import Behaviour
     from tests.unit.test_router_app import Cluster, post
 
     c = Cluster()

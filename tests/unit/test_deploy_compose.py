@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from services.common import config
-from tests.ports import free_port
+from services.launch.ports import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -19,7 +19,7 @@ from services.engine.kv_pool import KVPool
 from services.engine.loader import load_model
 from services.engine.local_generate import generate_full
 from services.engine.sampler import Sampler
-from tests.random_schemas import random_schema
+from services.fakes.random_schemas import random_schema
 
 VOCAB = 264  # builtin-random's
 ABC = ("regex", "ab+c")

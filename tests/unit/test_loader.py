@@ -6,7 +6,7 @@ import torch
 from services.engine.builtin_model import builtin_model
 from services.engine.loader import ModelLoadError, load_model
 from services.engine.model_config import UnsupportedModelError
-from tests.hf_checkpoints import save_tiny_llama, save_tiny_qwen2
+from services.fakes.hf_checkpoints import save_tiny_llama, save_tiny_qwen2
 
 
 def test_builtin_model_is_deterministic_and_small():

@@ -10,8 +10,8 @@ import grpc
 
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.mesh_protocol import MIN_PEER_VERSION, PROTOCOL_VERSION, incompatibility
+from services.fakes.workers import FakeDecode, FakePrefill
 from services.router.pool import WorkerPool
-from tests.fake_workers import FakeDecode, FakePrefill
 
 
 def test_compatibility_rule():

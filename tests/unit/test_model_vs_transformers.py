@@ -10,7 +10,7 @@ from services.engine.kv_pool import KVPool
 from services.engine.loader import load_model
 from services.engine.local_generate import generate
 from services.engine.runner import DecodeItem, ModelRunner, PrefillItem
-from tests.hf_checkpoints import save_tiny_llama, save_tiny_qwen2
+from services.fakes.hf_checkpoints import save_tiny_llama, save_tiny_qwen2
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,6 +1,6 @@
 """POST /v1/responses through the router's HTTP app, against scripted in-process gRPC workers.
 
-The fakes "generate" the bytes of "Hello" (tests/fake_workers.py), so a request for 5 tokens is
+The fakes "generate" the bytes of "Hello" (services/fakes/workers.py), so a request for 5 tokens is
 cut by max_output_tokens: `incomplete`, as OpenAI reports it.
 """
 
@@ -12,7 +12,7 @@ import json
 import httpx
 import pytest
 
-from tests.fake_workers import Behaviour
+from services.fakes.workers import Behaviour
 from tests.unit.test_router_app import MODEL, cluster, cluster_factory, post  # noqa: F401 - fixtures
 
 

@@ -1,4 +1,4 @@
-"""The router's HTTP app against scripted in-process gRPC workers (tests/fake_workers.py).
+"""The router's HTTP app against scripted in-process gRPC workers (services/fakes/workers.py).
 
 Real uvicorn, real gRPC, real sockets; only the workers are fakes, so failures (fail, hang, die,
 freeze) are injected exactly where wanted. Every wait is bounded; nothing sleeps to synchronise.
@@ -20,9 +20,9 @@ import pytest
 import uvicorn
 
 from services.common.config import RouterSettings
+from services.fakes.workers import Behaviour, FakeDecode, FakePrefill
+from services.launch.ports import free_port
 from services.router.app import create_app
-from tests.fake_workers import Behaviour, FakeDecode, FakePrefill
-from tests.ports import free_port
 
 MODEL = "pdmesh-tiny"
 

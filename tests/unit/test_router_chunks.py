@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from services.decode.jobs import DecodeFailed, Tokens, coalesce
-from tests.fake_workers import Behaviour
+from services.fakes.workers import Behaviour
 from tests.unit.test_router_app import Cluster, chat, completion, post, sse_payloads
 from tests.unit.test_router_failover import PROMPT, PROMPT_LEN, expected
 

@@ -15,7 +15,7 @@ import pytest
 
 from services.common.builtin_tokenizer import BuiltinTokenizer
 from services.common.refusal import Refusal
-from tests.fake_workers import Behaviour
+from services.fakes.workers import Behaviour
 from tests.unit.test_router_app import MODEL, Cluster, completion, post, sse_payloads, wait_for
 
 pytestmark = pytest.mark.timeout(60)

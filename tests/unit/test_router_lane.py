@@ -13,8 +13,8 @@ import pytest
 from services.common import grpc_server
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
+from services.fakes.workers import FakeDecode, FakePrefill
 from services.router.lane import LaneStub
-from tests.fake_workers import FakeDecode, FakePrefill
 
 pytestmark = pytest.mark.timeout(60)
 PARAMS = wpb.SamplingParams(max_tokens=4)

@@ -1,7 +1,7 @@
 """Reservations release exactly once, on every path that ends a request.
 
 The Lease itself (double release is a no-op, the context manager), then each end path through
-the real router app against scripted gRPC workers (tests/fake_workers.py): success, client
+the real router app against scripted gRPC workers (services/fakes/workers.py): success, client
 disconnect, fail-over, migration and error. After each, no admission slot and no worker
 in-flight count is left outstanding, and the ledgers show every lease taken was released.
 """
@@ -14,9 +14,9 @@ import grpc
 import httpx
 import pytest
 
+from services.fakes.workers import Behaviour
 from services.router.leases import Lease, Ledger, PairLease
 from services.router.pool import Worker, WorkerPool
-from tests.fake_workers import Behaviour
 from tests.unit.test_router_app import (  # noqa: F401 - cluster_factory is a fixture
     Cluster,
     cluster_factory,
@@ -142,9 +142,9 @@ def test_errors_release_each_lease_once(cluster_factory):  # noqa: F811
 
 
 def test_the_canary_releases_its_pairs_leases_whether_it_passes_or_fails():
+    from services.fakes.workers import FakeDecode, FakePrefill
     from services.router.canary import Canary
     from services.router.orchestrator import Orchestrator
-    from tests.fake_workers import FakeDecode, FakePrefill
 
     async def run() -> None:
         p, d = FakePrefill(), FakeDecode()

@@ -11,9 +11,9 @@ import asyncio
 
 import pytest
 
+from services.fakes.workers import FakeDecode, FakePrefill
 from services.router.errors import APIError
 from services.router.pool import WorkerPool
-from tests.fake_workers import FakeDecode, FakePrefill
 
 pytestmark = pytest.mark.timeout(30)
 

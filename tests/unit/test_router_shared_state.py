@@ -14,10 +14,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.metrics import Metrics
+from services.fakes.workers import FakeDecode, FakePrefill
 from services.router.pool import WorkerPool, load_of
 from services.router.shared_state import ADMIT_LOCK_WAIT, MAX_WORKERS, SharedState, state_path, worker_key
 from services.router.sibling_metrics import SIBLING_TIMEOUT, SiblingMetrics, merge_expositions, socket_path
-from tests.fake_workers import FakeDecode, FakePrefill
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -13,6 +13,7 @@ import pytest
 from services.common.builtin_tokenizer import BuiltinTokenizer
 from services.common.grammar_spec import to_llguidance
 from services.common.tokenizer import load_tokenizer
+from services.fakes.hf_checkpoints import save_tiny_qwen2_tools
 from services.router.errors import APIError
 from services.router.model_info import tool_parser
 from services.router.orchestrator import Chunk
@@ -20,7 +21,6 @@ from services.router.output import TokenStrings
 from services.router.protocol import ModelInfo, parse_chat
 from services.router.render import ResponseState
 from services.router.tools import Tool, tool_grammar
-from tests.hf_checkpoints import save_tiny_qwen2_tools
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Lima"]},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},

@@ -11,8 +11,8 @@ import random
 import pytest
 
 from services.common.tokenizer import BUILTIN_MODEL_DIR
+from services.fakes.hf_checkpoints import QWEN_TOOLS_TEMPLATE
 from services.router.tool_parsers import FORMATS, PYTHON_TAG, ToolStream, detect_tool_parser
-from tests.hf_checkpoints import QWEN_TOOLS_TEMPLATE
 
 HERMES = FORMATS["hermes"]
 LLAMA = FORMATS["llama3_json"]

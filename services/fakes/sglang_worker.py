@@ -15,7 +15,7 @@ Paths it does not know are answered 200 `{}` and counted; `--log-paths` prints e
 which is how the calls sglang-router makes were found. Raw asyncio + httptools (+ uvloop when
 installed), so the worker costs the router under test as little CPU as possible.
 
-Usage: python bench/fake_sglang_worker.py --port P --role prefill|decode [--log-paths]
+Usage: python services/fakes/sglang_worker.py --port P --role prefill|decode [--log-paths]
 """
 
 from __future__ import annotations

@@ -277,7 +277,7 @@ async def _serve(prefill_port: int, decode_port: int) -> None:
 
 
 def main(argv=None) -> None:
-    """`python -m tests.fake_workers --prefill-port P --decode-port D`: instant workers,
+    """`python -m services.fakes.workers --prefill-port P --decode-port D`: instant workers,
     for measuring the router on its own (bench/router_overhead.py)."""
     import argparse
 

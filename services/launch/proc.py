@@ -1,0 +1,142 @@
+"""One pdmesh process the launcher started: spawn it with its output in a log file (or on this
+terminal), reach its HTTP port through its placement, pause, stop and kill it within a bound.
+
+Every child runs in a session of its own, so a Ctrl-C meant for the launcher is not delivered
+to it twice; with `parent_death` it is also SIGKILLed by the kernel when the launcher dies
+(services/common/parent_death.py), which is only safe from a launcher with no threads.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from services.common.parent_death import arm_in_child
+from services.launch.probes import scrape_metrics
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def service_command(role: str, args: list[str], module: str = "") -> list[str]:
+    return [sys.executable, "-m", module or f"services.{role}", *args]
+
+
+def spawn(cmd: list[str], log_path: pathlib.Path | None, env: dict[str, str] | None = None,
+          parent_death: bool = False) -> subprocess.Popen:
+    """`cmd` from the repository root with os.environ under `env`; output to `log_path`, or to
+    this terminal when it is None."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    out = log_path.open("wb") if log_path is not None else None
+    try:
+        return subprocess.Popen(
+            cmd, cwd=ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT if out else None,
+            start_new_session=True, preexec_fn=arm_in_child(os.getpid()) if parent_death else None,
+        )
+    finally:
+        if out is not None:
+            out.close()  # the child holds its own copy
+
+
+@dataclass
+class Proc:
+    role: str  # prefill | decode | router | fakes (services/fakes/workers.py)
+    popen: subprocess.Popen
+    log_path: pathlib.Path | None
+    http_port: int
+    grpc_port: int | None = None
+    args: list[str] = field(default_factory=list)
+    host: str = ""  # its Topology host, "" on this machine
+    addr: str = "127.0.0.1"  # where its ports are reached
+    env: dict = field(default_factory=dict)  # its own, on top of the launcher's (a restart keeps it)
+    # runs a client call where the process can be reached (an observer's namespace for a host)
+    call: Callable = field(default=lambda fn, *a, **kw: fn(*a, **kw), repr=False)
+    keep_queue: bool = True  # metrics(): `queue`-labelled samples under their own key
+    module: str = ""  # what it runs when not services.<role> (a restart runs it again)
+
+    @property
+    def grpc_addr(self) -> str:
+        return f"{self.addr}:{self.grpc_port}" if self.grpc_port else ""
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.addr}:{self.http_port}"
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}@{self.host}" if self.host else self.role
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log(self) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return self.log_path.read_text(errors="replace")
+
+    def get(self, path: str, timeout: float = 5) -> httpx.Response:
+        return self.call(httpx.get, self.http_url + path, timeout=timeout)
+
+    def post(self, path: str, json: dict, timeout: float = 60, headers: dict | None = None) -> httpx.Response:
+        return self.call(httpx.post, self.http_url + path, json=json, timeout=timeout, headers=headers)
+
+    def metrics(self) -> dict[str, float]:
+        return self.call(scrape_metrics, self.http_url, self.keep_queue)
+
+    def health(self) -> dict:
+        return self.get("/health").json()
+
+    def stop(self) -> None:
+        """Pause (SIGSTOP): the process keeps its ports and answers nothing."""
+        os.kill(self.popen.pid, signal.SIGSTOP)
+
+    def cont(self) -> None:
+        os.kill(self.popen.pid, signal.SIGCONT)
+
+    def kill(self, grace: float = 0.0) -> None:
+        """SIGTERM and up to `grace` seconds to exit (with grace > 0), then SIGKILL; returns once
+        it has exited (at most grace + 10 s)."""
+        if self.alive():
+            try:
+                os.kill(self.popen.pid, signal.SIGCONT)  # a stopped process must run to die cleanly
+            except ProcessLookupError:
+                pass
+            if grace > 0:
+                self.popen.terminate()
+                try:
+                    self.popen.wait(timeout=grace)
+                except subprocess.TimeoutExpired:
+                    pass
+            if self.alive():
+                self.popen.kill()
+        self.popen.wait(timeout=10)
+
+
+def stop_all(procs: list[Proc], grace: float = 0.0) -> None:
+    """Every process stopped, all of them signalled before any is waited on (one grace for all)."""
+    live = [p for p in procs if p.alive()]
+    if grace > 0:
+        for p in live:
+            try:
+                os.kill(p.popen.pid, signal.SIGCONT)
+                p.popen.terminate()
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        for p in live:
+            try:
+                p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+    for p in procs:
+        try:
+            p.kill()
+        except Exception:  # noqa: BLE001 - best effort, keep stopping the others
+            pass

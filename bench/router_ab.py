@@ -4,7 +4,7 @@ Runs the router of `--old` (a source tree, e.g. `git archive <commit> | tar -x -
 generated proto code) and the router of this tree alternately, each in its own process in front of
 one set of instant fake workers (services/fakes/workers.py), for `--rounds` rounds; each run is a closed
 loop of `--concurrency` clients for `--seconds` seconds. The medians of the rounds are compared
-(new / old): a restructure must not cost throughput (issue 23 asks new >= 0.95 x old). Everything
+(new / old): a restructure must not cost throughput (new >= 0.95 x old). Everything
 shares this machine's cores, so run it on an otherwise idle machine and look at the ratio only.
 
 Usage: python bench/router_ab.py --old DIR [--rounds 3] [--seconds 4] [--concurrency 16] [--max-tokens 4]

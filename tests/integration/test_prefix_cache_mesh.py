@@ -67,14 +67,14 @@ def decode_text(ids):
 
 # 16 rounds grow to ~2,000 tokens (make long-test); make test's short form stops at 8 (~1,000),
 # the same checks on every round: the reference model recomputes the whole history each round.
-@pytest.mark.parametrize("rounds", [8, pytest.param(16, marks=pytest.mark.long)])
-def test_a_growing_conversation_reuses_its_prefix_and_matches_single_process(mesh, reference_model, rounds):
+@pytest.mark.parametrize("n_rounds", [8, pytest.param(16, marks=pytest.mark.long)])
+def test_a_growing_conversation_reuses_its_prefix_and_matches_single_process(mesh, reference_model, n_rounds):
     m, p, d, r = mesh
     rng = random.Random(11)
     page_nbytes = KVPool(reference_model.config, 1, P).page_nbytes
     history = [rng.randrange(3, 256) for _ in range(90)]
     rounds = []
-    for i in range(rounds):
+    for i in range(n_rounds):
         seed = None if i % 2 == 0 else 100 + i
         params = SamplingParams(temperature=0.8 if seed is not None else 0.0, seed=seed, max_tokens=8, ignore_eos=True)
         ref = reference(reference_model, history, params)

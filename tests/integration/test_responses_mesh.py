@@ -109,11 +109,9 @@ def tools_mesh(tmp_path_factory):
     folder = save_tiny_qwen2_tools(tmp_path_factory.mktemp("ckpt") / "tiny-qwen2-tools")
     m = Mesh(tmp_path_factory.mktemp("responses-tools"))
     try:
-        p = m.start_prefill("--model", str(folder), wait=False)
-        d = m.start_decode("--model", str(folder), wait=False)
-        m.wait_healthy(p)
-        m.wait_healthy(d)
-        r = m.start_router([p], [d], "--model", str(folder), "--request-timeout", "120")
+        model = ("--model", str(folder))
+        ps, ds = m.start_workers(1, 1, model, model)
+        r = m.start_router(ps, ds, *model, "--request-timeout", "120")
         client = openai.OpenAI(base_url=r.http_url + "/v1", api_key="x", max_retries=0, timeout=120)
         yield m, client, folder.name
     finally:

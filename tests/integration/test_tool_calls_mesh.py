@@ -67,11 +67,9 @@ def mesh(tmp_path_factory):
     folder = save_tiny_qwen2_tools(tmp_path_factory.mktemp("ckpt") / "tiny-qwen2-tools")
     m = Mesh(tmp_path_factory.mktemp("tools-mesh"))
     try:
-        p = m.start_prefill("--model", str(folder), wait=False)
-        d = m.start_decode("--model", str(folder), wait=False)
-        m.wait_healthy(p)
-        m.wait_healthy(d)
-        r = m.start_router([p], [d], "--model", str(folder), "--request-timeout", "60")
+        model = ("--model", str(folder))
+        ps, ds = m.start_workers(1, 1, model, model)
+        r = m.start_router(ps, ds, *model, "--request-timeout", "60")
         yield m, r, folder
     finally:
         m.close()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from services.common.tokenizer import Tokenizer
+from services.common.tokenizer_base import Tokenizer
 
 BYTE_TOKENS = 256
 # Order fixes the ids: <|pad|> = 256 ... <|end|> = 262, <|unused0|> = 263.

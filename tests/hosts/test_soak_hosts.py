@@ -1,8 +1,9 @@
 """The chaos soak in hosts mode, small: router + 2P + 2D each in its own network namespace,
-30 s of load from 3 clients and 2 conversations, with a partition both ways (prefill#0 <-x-> decode#0, 12 s, longer than every
-deadline), a one-way partition (prefill#1 -x-> decode#1) and a decode SIGKILLed and restarted
-inside its namespace. Every invariant of tests/chaos/soak.py holds with zero failed requests, and
-no namespace of the run is left behind (docs/chaos.md, "Hosts mode")."""
+30 s of load from 3 clients and 2 conversations, with a partition both ways (prefill#0 <-x->
+decode#0, 12 s, longer than every deadline), a one-way partition (prefill#1 -x-> decode#1) and a
+decode SIGKILLed and restarted inside its namespace. Every invariant of tests/chaos/soak.py holds
+with zero failed requests, and no namespace of the run is left behind (docs/chaos.md, "Hosts
+mode")."""
 
 from __future__ import annotations
 

@@ -3,10 +3,13 @@ clients, faults on a seeded schedule; then the invariants (docs/chaos.md):
 
   1. every request ends — success or an OpenAI-style error — within its deadline; none hangs;
   2. every successful request returns exactly the text of single-process generation;
-  3. after load stops, with no further traffic: every queue gauge 0, every KV pool whole, no
-     NIXL handle outstanding, no quarantined page, on every worker;
+  3. after load stops, with no further traffic: every queue gauge 0, every KV page free or
+     cached with no holder, no NIXL handle outstanding, no quarantined page, every aux slot
+     free, on every worker; the router admits nothing;
   4. no worker that the soak did not kill has died or restarted;
-  5. the router's counters agree with what the clients saw.
+  5. the router's counters agree with what the clients saw;
+  6. multi-round conversations (soak_conversations.py) beside the clients: most of their rounds
+     from round 2 on, away from faults, report cached prompt tokens.
 
     python -m tests.chaos.soak --seed 1 --duration 120 --out bench/out/chaos
     python -m tests.chaos.soak --hosts --seed 1 --duration 90   # each service in its own network
@@ -31,6 +34,7 @@ from dataclasses import asdict
 
 import httpx
 
+from tests.chaos.soak_conversations import cache_hits, conversation_loop
 from tests.chaos.soak_load import LoadState, client_loop
 from tests.chaos.soak_plan import HOST_KINDS, KINDS, Fault, parse_schedule, plan_faults
 from tests.chaos.soak_verify import check_counts, check_outputs, scrape
@@ -40,6 +44,9 @@ from tests.integration.mesh import QUEUE_GAUGES, Mesh, Proc, wait_for
 # near-ties that float rounding (batch composition, prefill vs decode) can flip — invariant 2
 # compares exact texts. (The trained default model is exact too, up to such near-ties.)
 MODEL = "builtin-random"
+# Cache-aware routing (the default policy) keeps each conversation on the workers holding its
+# history; the soak's router passes --local-prefill-max-tokens from its own flag (default 0: every
+# round goes through prefill, so restarts hit prefill's cache and decode's delta transfer too).
 # Deadlines short enough that a 120 s run sees faults end, long enough for this 2-core machine.
 PREFILL_FLAGS = ("--model", MODEL, "--bootstrap-timeout", "10", "--inflight-timeout", "3", "--watchdog-interval", "0.5",
                  "--forward-timeout", "3", "--num-pages", "512")
@@ -47,7 +54,7 @@ DECODE_FLAGS = ("--model", MODEL, "--prealloc-timeout", "10", "--transfer-timeou
                 "--heartbeat-max-failures", "3", "--watchdog-interval", "0.5", "--forward-timeout", "3",
                 "--keepalive-interval", "0.5", "--num-pages", "512")
 ROUTER_FLAGS = ("--model", MODEL, "--served-model-name", MODEL, "--health-check-interval", "0.5", "--health-check-timeout", "0.5", "--health-failure-threshold", "2",
-                "--stream-stall-timeout", "3", "--max-migrations", "4", "--policy", "least_loaded")
+                "--stream-stall-timeout", "3", "--max-migrations", "4", "--policy", "cache_aware")
 WATCHDOG_OFF = ("--watchdog-interval", "100000")  # --without watchdog: the sweep never runs
 
 
@@ -82,7 +89,8 @@ class Soak:
         migrations = ("--max-migrations", "0") if "migration" in self.args.without else ()
         self.router = self.mesh.start_router(
             self.workers["prefill"], self.workers["decode"], *ROUTER_FLAGS, *migrations,
-            "--request-timeout", str(self.args.request_timeout), "--processes", str(self.args.router_processes))
+            "--request-timeout", str(self.args.request_timeout), "--processes", str(self.args.router_processes),
+            "--local-prefill-max-tokens", str(self.args.local_prefill_max_tokens))
 
     def _bank_counters(self, proc: Proc) -> None:
         """Counters reset when a process restarts: keep what it counted so far."""
@@ -180,7 +188,8 @@ class Soak:
         faults.start()
 
         async def load():
-            await asyncio.gather(*(client_loop(state, c, a.seed, a.request_timeout) for c in range(a.clients)))
+            await asyncio.gather(*(client_loop(state, c, a.seed, a.request_timeout) for c in range(a.clients)),
+                                 *(conversation_loop(state, c, a.seed, a.request_timeout) for c in range(a.conversations)))
 
         asyncio.run(load())
         self.results_for_plot, self.t0 = state.results, t0
@@ -195,19 +204,29 @@ class Soak:
         return self.report(state, plan, t0, load_end, last_fault_end, drained_at, drain)
 
     def check_drained(self) -> bool:
-        """Invariant 3 (no traffic after the load): gauges 0, pools whole, no handle, no quarantine."""
+        """Invariant 3 (no traffic after the load): gauges 0, every page free or cached with no
+        holder, no handle, no quarantine, aux slots free; the router holds no admission."""
         ok = True
+        self.cached_pages: dict[str, int] = {}
         for proc in self.workers["prefill"] + self.workers["decode"]:
             def settled(proc=proc):
                 m, h = proc.metrics(), proc.health()
                 return (all(m.get(g, 0) == 0 for g in QUEUE_GAUGES[proc.role])
                         and h["kv_pages_free"] == h["kv_pages_total"] and h["kv_pool_ok"]
-                        and h.get("nixl_live_handles", 0) == 0 and h.get("kv_pages_quarantined", 0) == 0)
+                        and h.get("nixl_live_handles", 0) == 0 and h.get("kv_pages_quarantined", 0) == 0
+                        and h["aux_slots_free"] == h["aux_slots_total"])
             try:
                 wait_for(settled, self.args.drain_timeout, f"{proc.role} {proc.grpc_addr} drained")
+                self.cached_pages[f"{proc.role} {proc.grpc_addr}"] = proc.health().get("kv_pages_cached", 0)
             except AssertionError as e:
                 ok = False
                 self.errors.append(f"invariant 3: {e}; health={proc.health()}")
+        try:
+            wait_for(lambda: httpx.get(self.router.http_url + "/health", timeout=2).json()["running_requests"] == 0,
+                     self.args.drain_timeout, "the router's admitted requests back to 0")
+        except AssertionError as e:
+            ok = False
+            self.errors.append(f"invariant 3: {e}")
         return ok
 
     def report(self, state: LoadState, plan, t0, load_end, last_fault_end, drained_at, drained) -> dict:
@@ -226,6 +245,7 @@ class Soak:
         mismatched = check_outputs(results, ties=ties)
         self.timings["verify_s"] = time.monotonic() - verify_began
         count_errors = check_counts(results, self.router_counts, self.router_killed_at)
+        conversations = cache_hits(results, self.fault_log, t0)
         died = [f"{p.role} {p.grpc_addr or p.http_port} exit {p.popen.poll()}" for p in self.mesh.procs
                 if p not in self.killed and not p.alive()]
         causes: dict[str, int] = {}
@@ -237,6 +257,7 @@ class Soak:
             "3_drained_pools_whole": drained,
             "4_no_unexpected_worker_death": not died,
             "5_metrics_agree_with_clients": not count_errors,
+            "6_conversations_hit_cache_when_quiet": conversations.pop("ok"),
             "no_failed_requests_beyond_router_restarts": len(unexcused) <= self.args.allow_failures,
         }
         report = {
@@ -247,12 +268,14 @@ class Soak:
                          "failed_in_flight_at_router_restart": len(excused), "failed_by_cause": causes,
                          "streamed": sum(r.stream for r in results), "greedy": sum(r.seed is None for r in results),
                          "structured": sum(r.grammar is not None for r in results), "near_ties": len(ties)},
+            "conversations": conversations,
             "faults": self.fault_log,
             "longest_request_s": round(max((r.ended - r.started for r in results), default=0), 3),
             "drain_after_last_fault_s": round(drained_at - max(last_fault_end, load_end), 3),
             "migrations": {k: v for k, v in self.worker_counters.items() if "migrations" in k},
             "watchdog_evictions": {k: v for k, v in self.worker_counters.items() if "evictions" in k},
             "leaked_pages": 0 if drained else "see errors",
+            "kv_pages_cached_after_drain": self.cached_pages,
             "invariants": invariants,
             "timings_s": {k: round(v, 1) for k, v in self.timings.items()},
             "ok": all(invariants.values()),
@@ -270,6 +293,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--duration", type=float, default=120.0, help="seconds of load")
     ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--conversations", type=int, default=3,
+                    help="multi-round conversations beside the clients (tests/chaos/soak_conversations.py)")
+    ap.add_argument("--local-prefill-max-tokens", type=int, default=0,
+                    help="the router's flag (conditional disaggregation); 0: every round goes through prefill")
     ap.add_argument("--faults", type=int, default=10, help="faults injected during the load")
     ap.add_argument("--hosts", action="store_true",
                     help="each service in its own network namespace (root; tests/hosts), partitions among the faults")

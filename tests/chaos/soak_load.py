@@ -4,7 +4,8 @@ Each client sends one request at a time (prompt as token ids, so the reference g
 sees exactly the same prompt): mixed prompt and output lengths, streamed or not, greedy or
 seeded sampling. A connection refused (the router is restarting) is retried before the request
 counts as sent, as a client behind a load balancer would; anything else that ends a request is
-recorded with its cause.
+recorded with its cause. The multi-round conversations (tests/chaos/soak_conversations.py) send
+their rounds through the same `send_recorded`, so their rounds are results like any other.
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ class Result:
     text: str = ""
     finish_reason: str = ""
     cause: str = ""  # "" on success; else e.g. "http_503:no_healthy_workers", "stream_error:...", "connection"
+    # a conversation's round (soak_conversations.py): which conversation, its round number (from
+    # 1), the generated ids the next round's prompt carries, and usage's cached_tokens
+    conversation: int | None = None
+    round: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    cached_tokens: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -100,7 +107,17 @@ def _body(r: Result) -> dict:
         else:
             body["response_format"] = {"type": "json_schema",
                                        "json_schema": {"name": "soak", "schema": json.loads(source)}}
+    if r.conversation is not None:  # the next round needs the reply's ids, the check its usage
+        body["return_token_ids"] = True
+        if r.stream:
+            body["stream_options"] = {"include_usage": True}
     return body
+
+
+def _usage(r: Result, payload: dict) -> None:
+    details = (payload.get("usage") or {}).get("prompt_tokens_details") or {}
+    if "cached_tokens" in details:
+        r.cached_tokens = details["cached_tokens"]
 
 
 def _error_cause(prefix: str, payload: dict) -> str:
@@ -119,6 +136,8 @@ async def _send(http: httpx.AsyncClient, state: LoadState, r: Result) -> None:
             return
         choice = payload["choices"][0]
         r.text, r.finish_reason = choice["text"], choice["finish_reason"] or ""
+        r.token_ids = choice.get("token_ids") or []
+        _usage(r, payload)
         return
     async with http.stream("POST", url, json=_body(r)) as resp:
         r.status = resp.status_code
@@ -137,12 +156,37 @@ async def _send(http: httpx.AsyncClient, state: LoadState, r: Result) -> None:
             if "error" in chunk:
                 r.cause = _error_cause("stream_error", chunk)
                 return
+            _usage(r, chunk)
             for choice in chunk.get("choices", []):
                 r.text += choice.get("text", "")
+                r.token_ids += choice.get("token_ids") or []
                 if choice.get("finish_reason"):
                     r.finish_reason = choice["finish_reason"]
         if not done:
             r.cause = "stream_truncated"
+
+
+async def send_recorded(http: httpx.AsyncClient, state: LoadState, r: Result) -> bool:
+    """Send r until the router takes it (a refused connection is not a send), record how it
+    ended in state.results; False when the load stopped before it could be sent."""
+    while state.running():
+        r.started, r.router_gen = time.monotonic(), (state.router_gen, state.router_gen)
+        state.in_flight += 1
+        try:
+            await _send(http, state, r)
+        except httpx.ConnectError:
+            state.in_flight -= 1
+            await asyncio.sleep(0.2)  # router restarting: not sent yet, try again
+            continue
+        except httpx.TimeoutException:
+            r.cause = "client_timeout"  # the request hung past its deadline
+        except (httpx.TransportError, json.JSONDecodeError) as e:
+            r.cause = f"connection:{type(e).__name__}"
+        state.in_flight -= 1
+        r.ended, r.router_gen = time.monotonic(), (r.router_gen[0], state.router_gen)
+        state.results.append(r)
+        return True
+    return False
 
 
 async def client_loop(state: LoadState, client: int, seed: int, request_timeout: float) -> None:
@@ -151,20 +195,4 @@ async def client_loop(state: LoadState, client: int, seed: int, request_timeout:
         while state.running():
             r = draw_request(rng, state.next_id, client)
             state.next_id += 1
-            while state.running():
-                r.started, r.router_gen = time.monotonic(), (state.router_gen, state.router_gen)
-                state.in_flight += 1
-                try:
-                    await _send(http, state, r)
-                except httpx.ConnectError:
-                    state.in_flight -= 1
-                    await asyncio.sleep(0.2)  # router restarting: not sent yet, try again
-                    continue
-                except httpx.TimeoutException:
-                    r.cause = "client_timeout"  # the request hung past its deadline
-                except (httpx.TransportError, json.JSONDecodeError) as e:
-                    r.cause = f"connection:{type(e).__name__}"
-                state.in_flight -= 1
-                r.ended, r.router_gen = time.monotonic(), (r.router_gen[0], state.router_gen)
-                state.results.append(r)
-                break
+            await send_recorded(http, state, r)

@@ -1,4 +1,5 @@
-"""The chaos soak's timeline PNG: requests in flight, failures, and the faults as shaded spans."""
+"""The chaos soak's timeline PNG: requests in flight, failures, conversation rounds that hit or
+missed the prefix cache, and the faults as shaded spans."""
 
 from __future__ import annotations
 
@@ -21,6 +22,13 @@ def plot_timeline(report: dict, results, t0: float, path: pathlib.Path) -> None:
     ax.plot(steps, in_flight, color="black", lw=1, label="requests in flight")
     done = [r.ended - t0 for r in results if r.ok]
     ax.scatter(done, [0.05] * len(done), marker="|", color="tab:green", s=30, label="succeeded")
+    rounds = [r for r in results if r.ok and getattr(r, "conversation", None) is not None and r.round >= 2]
+    if rounds:  # conversation rounds from round 2 on: did the workers find the history cached?
+        hit = [r.ended - t0 for r in rounds if (r.cached_tokens or 0) > 0]
+        miss = [r.ended - t0 for r in rounds if not r.cached_tokens]
+        ax.scatter(hit, [0.55] * len(hit), marker="o", color="tab:cyan", s=12, label=f"round hit cache ({len(hit)})")
+        ax.scatter(miss, [0.55] * len(miss), marker="o", facecolors="none", edgecolors="gray", s=12,
+                   label=f"round missed ({len(miss)})")
     failed = [r for r in results if not r.ok]
     if failed:
         ax.scatter([r.ended - t0 for r in failed], [0.3] * len(failed), marker="x", color="red", s=40,

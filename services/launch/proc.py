@@ -29,6 +29,14 @@ def service_command(role: str, args: list[str], module: str = "") -> list[str]:
     return [sys.executable, "-m", module or f"services.{role}", *args]
 
 
+def run_service(role: str, args: list[str], timeout: float = 60,
+                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python -m services.<role> args` from the repository root, run to its exit with its output
+    captured: a command line the service must refuse, --help, a port it cannot bind."""
+    return subprocess.run(service_command(role, args), cwd=ROOT, env={**os.environ, **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def spawn(cmd: list[str], log_path: pathlib.Path | None, env: dict[str, str] | None = None,
           parent_death: bool = False) -> subprocess.Popen:
     """`cmd` from the repository root with os.environ under `env`; output to `log_path`, or to

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -31,7 +29,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.mesh import ROOT, Mesh, in_background, wait_for
+from services.launch.proc import run_service
+from tests.integration.mesh import Mesh, in_background, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -322,9 +321,6 @@ def test_a_disconnect_as_one_choice_ends_aborts_every_choice(mesh):
 
 @pytest.mark.parametrize("flag", ["--header-timeout", "--max-connections"])
 def test_a_bound_that_is_not_positive_is_refused_at_start(flag):
-    out = subprocess.run(
-        [sys.executable, "-m", "services.router", "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2",
-         "--log-format", "json", flag, "0"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )
+    out = run_service("router", ["--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2", "--log-format", "json",
+                                 flag, "0"])
     assert out.returncode == 2 and flag in out.stderr, out.stderr[-2000:]

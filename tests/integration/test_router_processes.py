@@ -7,8 +7,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,13 +18,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.fakes.workers import Behaviour, FakeDecode, FakePrefill
 from services.launch.ports import free_port
+from services.launch.proc import run_service, service_command, spawn
 from services.router.processes import ENV_INDEX, FOLDER_PREFIX
 from services.router.shared_state import SharedState, state_path
 from tests.unit.test_router_app import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-REPO = Path(__file__).resolve().parents[2]
 BODY = {"model": "pdmesh-tiny", "prompt": "hi", "max_tokens": 3}
 
 
@@ -53,12 +51,11 @@ class Router:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdmesh-router-processes-{self.port}.log"
-        self.log_file = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.router", "--port", str(self.port), "--prefill", fakes.prefill.addr,
-             "--decode", fakes.decode.addr, "--processes", str(processes), "--log-format", "json",
-             "--health-check-interval", "0.2", *extra],
-            cwd=REPO, stdout=self.log_file, stderr=subprocess.STDOUT,
+        self.proc = spawn(
+            service_command("router", ["--port", str(self.port), "--prefill", fakes.prefill.addr,
+                                       "--decode", fakes.decode.addr, "--processes", str(processes),
+                                       "--log-format", "json", "--health-check-interval", "0.2", *extra]),
+            self.log_path,
         )
         self.processes = processes
         if wait:
@@ -115,7 +112,6 @@ class Router:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
-        self.log_file.close()
 
 
 def assert_serving_again(r: Router, fakes: Fakes, logged: str) -> None:
@@ -299,11 +295,8 @@ def test_a_taken_port_fails_at_start(fakes, routers):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        out = subprocess.run(
-            [sys.executable, "-m", "services.router", "--port", str(port), "--prefill", fakes.prefill.addr,
-             "--decode", fakes.decode.addr, "--processes", "2", "--log-format", "json"],
-            cwd=REPO, capture_output=True, text=True, timeout=60,
-        )
+        out = run_service("router", ["--port", str(port), "--prefill", fakes.prefill.addr, "--decode",
+                                     fakes.decode.addr, "--processes", "2", "--log-format", "json"])
     assert out.returncode == 1 and "cannot bind the router's port" in out.stderr + out.stdout
 
 
@@ -311,11 +304,8 @@ def test_a_taken_port_fails_at_start(fakes, routers):
                                    ("--processes", "2", "--process-start-timeout", "0"),
                                    ("--processes", "2", "--process-stall-timeout", "-1")])
 def test_impossible_process_counts_are_refused(flags):
-    out = subprocess.run(
-        [sys.executable, "-m", "services.router", "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2",
-         "--log-format", "json", *flags],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
-    )
+    out = run_service("router", ["--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2", "--log-format", "json",
+                                 *flags])
     assert out.returncode == 2 and "--processes" in out.stderr, out.stderr[-2000:]
 
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import io
 import json
 import logging
-import subprocess
 import sys
 
 import pytest
 
 from services.common.logging_setup import configure_logging, get_logger, resolve_log_format
+from services.launch.proc import run_service
 
 
 class _Tty(io.StringIO):
@@ -63,6 +63,5 @@ def test_console_lines_in_a_terminal(monkeypatch):
 
 @pytest.mark.parametrize("role", ["prefill", "decode", "router"])
 def test_every_service_has_the_log_format_flag(role):
-    out = subprocess.run([sys.executable, "-m", f"services.{role}", "--help"], capture_output=True, text=True,
-                         timeout=60)
+    out = run_service(role, ["--help"])
     assert "--log-format" in out.stdout and "PDMESH_LOG_FORMAT" in out.stdout

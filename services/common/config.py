@@ -314,8 +314,10 @@ def _resolve_malformed(parser: argparse.ArgumentParser, bad: _MalformedTwin) -> 
     default (and is reported); anything else stops the service with a message naming it."""
     f = bad.flag
     if bad.service_link:
-        _ignored_env.append(f"{f.env}={bad.raw!r} looks like a Kubernetes service link, not a setting: "
-                            f"ignored, --{f.name} is {f.default!r} (set enableServiceLinks: false)")
+        notice = (f"{f.env}={bad.raw!r} looks like a Kubernetes service link, not a setting: "
+                  f"ignored, --{f.name} is {f.default!r} (set enableServiceLinks: false)")
+        if notice not in _ignored_env:  # a service parses its command line twice (COMMANDS): one notice
+            _ignored_env.append(notice)
         return f.default
     parser.error(f"environment variable {f.env}={bad.raw!r} is not a valid value for --{f.name} "
                  f"({bad.reason}); fix or unset it, or give --{f.name}")

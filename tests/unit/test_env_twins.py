@@ -13,6 +13,7 @@ from services.common.config import (
     PrefillSettings,
     ignored_env_twins,
     parse_args,
+    parse_command_line,
     parse_settings,
 )
 
@@ -37,6 +38,14 @@ def test_service_link_twin_without_the_flag_falls_back_to_the_default(monkeypatc
     assert router_args([]).port == 8000
     (notice,) = ignored_env_twins()
     assert "PDMESH_PORT" in notice and "service link" in notice and "enableServiceLinks" in notice
+
+
+def test_a_command_line_parsed_twice_reports_a_service_link_once(monkeypatch):
+    # each service's __main__ parses before its heavy imports, and its main() parses again
+    monkeypatch.setenv("PDMESH_PORT", "tcp://10.96.0.12:8000")
+    parse_command_line("router", [])
+    parse_command_line("router", [])
+    assert len(ignored_env_twins()) == 1
 
 
 @pytest.mark.parametrize("name,value", [("PDMESH_GRPC_PORT", "udp://10.0.0.7:50051"),

@@ -30,7 +30,9 @@ import time
 from collections.abc import Hashable, Sequence
 
 import llguidance
-import llguidance.torch
+# The numpy helpers, not llguidance.torch: that module wraps a kernel in torch.compile at import,
+# which loads torch._dynamo (about a second of every worker's start) for a function not used here.
+import llguidance.numpy
 import torch
 
 from services.common.byte_lru import ByteLRU, source_key
@@ -107,7 +109,7 @@ class GrammarRegistry:
         output in the grammar. One bitmask for the batch, unpacked in one go. A matcher in error
         (ids the grammar never allowed, e.g. a client-forced prefix) allows only the end of
         sequence, so the request ends instead of failing the batch."""
-        bits = llguidance.torch.allocate_token_bitmask(len(rows), self.vocab_size)
+        bits = llguidance.numpy.allocate_token_bitmask(len(rows), self.vocab_size)
         errors = []
         for i, (key, grammar, generated) in enumerate(rows):
             started = time.thread_time()
@@ -115,13 +117,13 @@ class GrammarRegistry:
             if matcher.is_error():
                 errors.append(i)
                 continue
-            llguidance.torch.fill_next_token_bitmask(matcher, bits, i)
+            llguidance.numpy.fill_next_token_bitmask(matcher, bits, i)
             spent = time.thread_time() - started
             if key is not None and 0 < self.step_budget < spent:  # without a room there is no one to fail
                 errors.append(i)
                 with self._lock:
                     self._overruns[key] = spent
-        mask = ((bits.unsqueeze(-1) >> self._shifts) & 1).flatten(1)[:, : self.vocab_size].bool()
+        mask = ((torch.from_numpy(bits).unsqueeze(-1) >> self._shifts) & 1).flatten(1)[:, : self.vocab_size].bool()
         for i in errors:
             mask[i] = False
             mask[i, self.tokenizer.eos_tokens] = True

@@ -6,6 +6,9 @@ one set of instant fake workers (services/fakes/workers.py), for `--rounds` roun
 loop of `--concurrency` clients for `--seconds` seconds. The medians of the rounds are compared
 (new / old): a restructure must not cost throughput (new >= 0.95 x old). Everything
 shares this machine's cores, so run it on an otherwise idle machine and look at the ratio only.
+Each run also reports the router process's CPU time per request (user + system, from
+/proc/PID/stat over the measured seconds): on a machine busy with other work requests/s swings
+with what else runs, while CPU per request moves much less, so compare that ratio there.
 
 Usage: python bench/router_ab.py --old DIR [--rounds 3] [--seconds 4] [--concurrency 16] [--max-tokens 4]
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import pathlib
 import statistics
 import subprocess
@@ -33,7 +37,14 @@ from services.launch.probes import wait_for  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-async def one_run(tree: pathlib.Path, fp: str, fd: str, args, log: pathlib.Path) -> float:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` so far."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def one_run(tree: pathlib.Path, fp: str, fd: str, args, log: pathlib.Path) -> tuple[float, float]:
+    """(requests/s, router CPU µs per request) of one run of `tree`'s router."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "services.router", "--port", str(port), "--prefill", fp,
                              "--decode", fd, "--log-level", "warning"], cwd=tree,
@@ -45,12 +56,14 @@ async def one_run(tree: pathlib.Path, fp: str, fd: str, args, log: pathlib.Path)
         ids = [1] + [(7 * i) % 256 for i in range(args.prompt_tokens - 1)]
         try:
             await throughput(client.one, ids, args.max_tokens, args.concurrency, 1.0)  # warm-up
+            cpu0 = cpu_seconds(proc.pid)
             out = await throughput(client.one, ids, args.max_tokens, args.concurrency, args.seconds)
+            cpu = cpu_seconds(proc.pid) - cpu0
         finally:
             await client.close()
         if out["errors"]:
             raise RuntimeError(f"{out['errors']} failed requests through the router of {tree}")
-        return out["rps"]
+        return out["rps"], round(cpu / max(1, out["requests"]) * 1e6, 1)
     finally:
         proc.kill()
         proc.wait(10)
@@ -64,14 +77,21 @@ async def main_async(args) -> dict:
         _, fp, fd = fakes.start_fake_workers()
         try:
             rps: dict[str, list[float]] = {"old": [], "new": []}
+            cpu: dict[str, list[float]] = {"old": [], "new": []}
             for _ in range(args.rounds):  # alternating, so drift hits both alike
-                rps["old"].append(await one_run(old, fp, fd, args, tmp / "old.log"))
-                rps["new"].append(await one_run(ROOT, fp, fd, args, tmp / "new.log"))
+                for name, tree in (("old", old), ("new", ROOT)):
+                    r, c = await one_run(tree, fp, fd, args, tmp / f"{name}.log")
+                    rps[name].append(r)
+                    cpu[name].append(c)
         finally:
             fakes.stop()
     med = {k: statistics.median(v) for k, v in rps.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     return {"concurrency": args.concurrency, "seconds": args.seconds, "max_tokens": args.max_tokens,
-            "rps": rps, "median_rps": med, "new_over_old": round(med["new"] / med["old"], 3)}
+            "load_average": [round(x, 2) for x in os.getloadavg()],
+            "rps": rps, "median_rps": med, "new_over_old": round(med["new"] / med["old"], 3),
+            "cpu_us_per_request": cpu, "median_cpu_us_per_request": med_cpu,
+            "cpu_new_over_old": round(med_cpu["new"] / med_cpu["old"], 3)}
 
 
 def main() -> None:

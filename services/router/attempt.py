@@ -123,14 +123,16 @@ class Attempt:
         self.wants_prompt = params.HasField("prompt_logprobs")
         loop = asyncio.get_running_loop()
         timeout = max(0.001, deadline - loop.time())
-        self._prefill_call = None if prefill is None else prefill.stub.Prefill(
+        # the workers' transports (services/router/transport.py): grpc.aio-shaped calls, over a
+        # lane or one RPC each
+        self._prefill_call = None if prefill is None else prefill.transport.prefill(
             wpb.PrefillRequest(room=room, token_ids=ids, params=params, share_key=share_key, canary=canary),
-            timeout=timeout
+            timeout,
         )
-        self._decode_call = decode.stub.Decode(
+        self._decode_call = decode.transport.decode(
             wpb.DecodeRequest(room=room, prefill_addr=prefill.addr if prefill else "", token_ids=ids, params=params,
                               colocated=prefill is None, canary=canary),
-            timeout=timeout,
+            timeout,
         )
         self._prefill_task = asyncio.ensure_future(self._run_prefill())
         self._prefill_task.add_done_callback(self._prefill_done)

@@ -15,7 +15,6 @@ from typing import Any
 
 import grpc
 
-from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.router.errors import APIError
 from services.router.pool import Worker, WorkerPool
 
@@ -25,7 +24,7 @@ RESET_TIMEOUT_S = 5.0
 async def _reset_one(w: Worker, timeout: float) -> dict[str, Any]:
     out: dict[str, Any] = {"worker": repr(w)}
     try:
-        reply = await w.stub.ResetPrefixCache(wpb.ResetPrefixCacheRequest(), timeout=timeout)
+        reply = await w.transport.reset_prefix_cache(timeout)
     except grpc.aio.AioRpcError as e:
         return {**out, "ok": False, "error": f"{e.code().name}: {e.details() or ''}"}
     except Exception as e:  # noqa: BLE001 - a worker without a channel yet, or one mid-close
@@ -38,7 +37,7 @@ async def reset_prefix_caches(pool: WorkerPool, timeout: float = RESET_TIMEOUT_S
     The router's own view of the caches (services/router/prefix_index.py) empties first, so no
     request is steered by a cache that is going away."""
     dropped = pool.index.clear()
-    results = await asyncio.gather(*(_reset_one(w, timeout) for w in pool.workers if w.stub is not None))
+    results = await asyncio.gather(*(_reset_one(w, timeout) for w in pool.workers if w.transport is not None))
     failed = [r for r in results if not r["ok"]]
     if failed:
         names = ", ".join(f"{r['worker']} ({r['error']})" for r in failed)

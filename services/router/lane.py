@@ -1,8 +1,9 @@
 """The router's end of the lane: Prefill / Decode calls to one worker over one bidirectional stream.
 
-`LaneStub` stands where the worker's generated stub stood (`Worker.stub`): `Prefill(request,
-timeout=)` and `Decode(request, timeout=)` return call objects that behave as grpc.aio's do for
-the router's uses — a Prefill call is awaited for its reply, a Decode call is `read()` chunk by
+`LaneStub` has the shape of the worker's generated stub, and `LaneTransport` (the worker's
+transport, services/router/transport.py) makes its Prefill / Decode calls through it:
+`Prefill(request, timeout=)` and `Decode(request, timeout=)` return call objects that behave as
+grpc.aio's do for the router's uses — a Prefill call is awaited for its reply, a Decode call is `read()` chunk by
 chunk until `grpc.aio.EOF`, both `cancel()`, and a failure raises `grpc.aio.AioRpcError` with
 the status the worker (or the lane) ended the call with. Everything else (Load, Abort) goes to
 the worker's own stub.
@@ -354,8 +355,8 @@ class Lane:
 
 
 class LaneStub:
-    """The worker's stub with Prefill / Decode on its lane (the pool uses the bare stub when
-    --worker-lane is false)."""
+    """The worker's stub with Prefill / Decode on its lane (with --worker-lane false the pool's
+    workers use RpcTransport, the bare stub, instead)."""
 
     def __init__(self, stub, addr: str, on_failure=None, max_message_bytes: int = LANE_MESSAGE_BYTES) -> None:
         self._stub = stub

@@ -11,6 +11,12 @@
   the policies is this router's own in-flight count on it (exact and current) plus the part of
   the reported depth that is not ours: requests from other routers or clients, as of the last
   probe.
+- The router's other processes (`--processes N`) are seen through the load view
+  (services/router/load_view.py, chosen once at start): `share` publishes our counts and reads
+  theirs, which join each worker's load; a worker one of them ejected is probed at once. With
+  one process the view has nobody to share with, and the pool reads the same.
+- Each worker's calls go through its transport (services/router/transport.py: its lane, or one
+  gRPC call each), made once when the pool meets the worker.
 - Addresses come from services/router/discovery.py: a name (e.g. a Kubernetes headless
   Service) stands for every address it resolves to, re-resolved every `dns_refresh_interval`;
   new addresses join (after their first good probe), vanished ones leave the rotation and their
@@ -47,37 +53,25 @@ from dataclasses import dataclass, field
 
 import grpc
 import structlog
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
-from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
-from services.common.grpc_server import internal_channel
 from services.common.logging_setup import get_logger
 from services.common.mesh_protocol import MIN_PEER_VERSION, PROTOCOL_VERSION, incompatibility
 from services.common.metrics import Metrics
 from services.router.conditional_disagg import goes_local
 from services.router.discovery import Resolver, resolve_specs, split_host_port, system_resolver
 from services.router.errors import no_healthy_workers
-from services.router.lane import LaneStub
 from services.router.leases import Lease, Ledger, PairLease
+from services.router.load_view import LOCAL, LoadView
 from services.router.pair_health import PairHealth
 from services.router.policy import CacheThresholds, make_policy
 from services.router.prefix_index import PrefixIndex, RequestKeys
-from services.router.shared_state import MAX_WORKERS, PeerView, SharedState, worker_key
+from services.router.shared_state import PeerView, worker_key
+from services.router.transport import WorkerTransport, connect
 
 log = get_logger("router.pool")
 
-CHANNEL_OPTIONS = [
-    # a worker that comes back must be found quickly, not after gRPC's default backoff (up to 120 s)
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ("grpc.enable_retries", 0),  # the router decides about retries itself
-]
-
-SHARE_INTERVAL = 0.02  # seconds between exchanges with the router's other processes (--processes)
 NO_PEERS = PeerView()
 
 
@@ -89,8 +83,8 @@ class Worker:
     healthy: bool = False
     failures: int = 0  # failed probes in a row
     inflight: int = 0  # RPCs of this router process in flight on the worker
-    peer_inflight: int = 0  # the router's other processes' requests on it (--processes, shared_state.py)
-    ejections: int = 0  # times this process ejected it (shared, so the others probe it at once)
+    peer_inflight: int = 0  # the router's other processes' requests on it (load_view.py; 0 with one process)
+    ejections: int = 0  # times this process ejected it (published, so the other processes probe it at once)
     peer_ejections: int = 0  # the other processes' ejections of it, as last read
     external_load: int = 0  # queued + running on the worker that are not ours (last Load report)
     capacity_tokens: int = 0  # tokens its KV pool holds (last Load report; 0: not reported)
@@ -100,12 +94,10 @@ class Worker:
     last_error: str = ""
     incompatible: str = ""  # why its protocol version does not fit this router's ("" when it does)
     last_change: float = field(default_factory=time.time)
-    channel: grpc.aio.Channel | None = None
-    stub: object | None = None
-    health: health_pb2_grpc.HealthStub | None = None
+    transport: WorkerTransport | None = None  # its calls: over its lane or one RPC each (transport.py)
 
     def __post_init__(self) -> None:
-        self.key = worker_key(self.role, self.addr)  # its entry in the state the router's processes share
+        self.key = worker_key(self.role, self.addr)  # its entry in the load view of the router's processes
 
     def __repr__(self) -> str:
         return f"{self.role}:{self.addr}"
@@ -154,14 +146,14 @@ class WorkerPool:
         resolver: Resolver = system_resolver,
         colocated: bool = False,
         lane: bool = True,
-        shared: SharedState | None = None,
+        load: LoadView = LOCAL,
         pair_hold: float = 30.0,
         cache_thresholds: CacheThresholds | None = None,
         prefix_index_max_pages: int = 65536,
         local_prefill_max_tokens: int = 0,
     ):
         self.pairs = PairHealth(hold=pair_hold)  # (prefill, decode) pairs whose KV path failed
-        self.shared = shared  # the router's other processes (--processes > 1), read every SHARE_INTERVAL
+        self.load = load  # the router's other processes' loads and ejections (services/router/load_view.py)
         self.lane = lane  # Prefill / Decode over each worker's lane (services/router/lane.py)
         self.colocated = colocated  # decode workers only: choose_pair returns (None, decode)
         self.specs = {"prefill": list(dict.fromkeys(prefill_addrs)), "decode": list(dict.fromkeys(decode_addrs))}
@@ -187,7 +179,6 @@ class WorkerPool:
         self._probing: dict[Worker, asyncio.Task] = {}
         self._background: set[asyncio.Task] = set()
         self._watchers: set[Callable[[Worker], None]] = set()
-        self._share_full_logged = False
         self.leases = Ledger()  # the in-flight counts handed out by reserve() and not yet released
 
     @property
@@ -197,19 +188,15 @@ class WorkerPool:
     # --- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        if self.shared is not None:  # first: its heartbeat tells the supervisor this loop runs,
-            # however long resolving and probing the workers take
-            self._background.add(asyncio.create_task(self._share_loop(), name="router-share"))
+        # first: with --processes its heartbeat tells the supervisor this loop runs, however long
+        # resolving and probing the workers take (with one process it returns at once)
+        self._background.add(asyncio.create_task(self.load.run(self.share), name="router-share"))
         await self.refresh_addresses()
         await self.probe_all()
         self._task = asyncio.create_task(self._loop(), name="router-health")
 
     def _connect(self, w: Worker) -> Worker:
-        w.channel = internal_channel(w.addr, CHANNEL_OPTIONS)  # keep-alive, internal token
-        w.stub = (wpb_grpc.PrefillStub if w.role == "prefill" else wpb_grpc.DecodeStub)(w.channel)
-        if self.lane:
-            w.stub = LaneStub(w.stub, w.addr, on_failure=lambda code, w=w: self.report_failure(w, code))
-        w.health = health_pb2_grpc.HealthStub(w.channel)
+        w.transport = connect(w.role, w.addr, self.lane, on_failure=lambda code, w=w: self.report_failure(w, code))
         self._set_gauge(w)
         return w
 
@@ -232,8 +219,7 @@ class WorkerPool:
             group[:] = keep
         for w in [w for w in self._retired if w.inflight == 0]:
             self._retired.remove(w)
-            if self.shared is not None:
-                self.shared.publish(w.key, 0, w.ejections)  # no longer published: leave it at rest
+            self.load.retire(w)  # no longer published: leave it at rest
             await self._disconnect(w)
 
     def _retire(self, w: Worker) -> None:
@@ -256,10 +242,8 @@ class WorkerPool:
 
     @staticmethod
     async def _disconnect(w: Worker) -> None:
-        if isinstance(w.stub, LaneStub):
-            await w.stub.lane.close()
-        if w.channel is not None:
-            await w.channel.close(grace=None)
+        if w.transport is not None:
+            await w.transport.close()
 
     async def _loop(self) -> None:
         next_resolve = time.monotonic() + self.dns_refresh_interval
@@ -273,26 +257,12 @@ class WorkerPool:
             except Exception as e:  # noqa: BLE001 - the health loop must never die
                 log.error("health loop error", error=repr(e))
 
-    async def _share_loop(self) -> None:
-        while True:  # shares at once, then every SHARE_INTERVAL: the first heartbeat says "started"
-            try:
-                self.share()
-            except Exception as e:  # noqa: BLE001 - like the health loop, it must never die
-                log.error("sharing with the router's other processes failed", error=repr(e))
-            await asyncio.sleep(SHARE_INTERVAL)
-
     def share(self) -> None:
         """Publish our per-worker counts and read the other processes': their in-flight requests
         join each worker's load, and a worker one of them ejected is probed here at once (and
         ejected if that probe fails), so a dead or frozen worker leaves every process's rotation
         about as fast as it leaves the first one's."""
-        shared = self.shared
-        shared.beat()  # the supervisor replaces a process whose heartbeat stops
-        for w in (*self.workers, *self._retired):
-            if not shared.publish(w.key, w.inflight, w.ejections) and not self._share_full_logged:
-                self._share_full_logged = True
-                log.warning("too many workers to share between the router's processes", limit=MAX_WORKERS)
-        peers = shared.peers()
+        peers = self.load.exchange((*self.workers, *self._retired))
         for w in self.workers:
             view = peers.get(w.key, NO_PEERS)
             w.peer_inflight = view.inflight
@@ -318,7 +288,7 @@ class WorkerPool:
         # this task's context was copied from whichever request asked first; the probe is not its
         structlog.contextvars.unbind_contextvars("room", "request_id")
         try:
-            reply = await w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.timeout)
+            reply = await w.transport.health(self.timeout)
             ok = reply.status == health_pb2.HealthCheckResponse.SERVING
             error = "" if ok else f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
         except grpc.aio.AioRpcError as e:
@@ -349,7 +319,7 @@ class WorkerPool:
         it refuses the router's internal token, or its protocol version does not fit ("" if fine)."""
         request = wpb.LoadRequest(protocol_version=PROTOCOL_VERSION, min_protocol_version=MIN_PEER_VERSION)
         try:
-            reply = await w.stub.Load(request, timeout=self.timeout)
+            reply = await w.transport.load(request, self.timeout)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAUTHENTICATED:
                 # Health is open to anyone; every other call needs the shared token

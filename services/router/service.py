@@ -20,14 +20,13 @@ from services.router.auth import check_api_key
 from services.router.canary import Canary
 from services.router.errors import APIError
 from services.router.http_errors import error_json
+from services.router.load_view import load_view
 from services.router.model_info import grammar_cost, served_model
 from services.router.orchestrator import Orchestrator, new_room
 from services.router.output import TokenStrings
 from services.router.policy import CacheThresholds
 from services.router.pool import WorkerPool
 from services.router.request_body import BodyReader
-from services.router.shared_state import SharedState, state_path
-from services.router.sibling_metrics import SiblingMetrics
 
 log = get_logger("router")
 
@@ -43,15 +42,11 @@ class Router:
         name = self.info.name
         self.token_strings = TokenStrings(self.tokenizer)
         self.grammar_cost = grammar_cost(settings, self.tokenizer)
-        self.shared: SharedState | None = None  # the other router processes' admissions and loads
-        self.siblings: SiblingMetrics | None = None  # their /metrics
-        label = f"router-{settings.host}-{settings.port}"
-        if settings.processes > 1 and settings.shared_dir:
-            self.shared = SharedState(state_path(settings.shared_dir), settings.processes, settings.process_index)
-            self.shared.claim()
-            label += f"-p{settings.process_index}"
-        self.admission = Admission(settings.max_concurrent_requests, self.shared)
-        self.metrics = Metrics("router", name, label)
+        # the router's other processes (--processes N): their admissions, loads, ejections and
+        # /metrics, or nobody's with one process; chosen once (services/router/load_view.py)
+        self.load = load_view(settings)
+        self.admission = Admission(settings.max_concurrent_requests, self.load)
+        self.metrics = Metrics("router", name, f"router-{settings.host}-{settings.port}{self.load.label}")
         self.metrics.gauge_from("num_running_reqs", lambda: self.active)
         self.bodies = BodyReader(settings.max_body_bytes, settings.body_timeout, settings.max_body_reads,
                                  self.metrics)
@@ -71,16 +66,14 @@ class Router:
             failure_threshold=settings.health_failure_threshold,
             dns_refresh_interval=settings.dns_refresh_interval,
             lane=settings.worker_lane,
-            shared=self.shared,
+            load=self.load,
             pair_hold=settings.pair_hold,
             cache_thresholds=CacheThresholds(settings.cache_threshold, settings.balance_abs_threshold,
                                              settings.balance_rel_threshold),
             prefix_index_max_pages=settings.prefix_index_max_pages,
             local_prefill_max_tokens=settings.local_prefill_max_tokens,
         )
-        if self.shared is not None:
-            self.siblings = SiblingMetrics(settings.shared_dir, settings.processes, settings.process_index,
-                                           self.metrics.exposition)
+        self.exposition = self.load.metrics(self.metrics.exposition)  # one /metrics for all processes
         self.orchestrator = Orchestrator(self.pool, self.tokenizer.eos_token_ids,
                                          max_migrations=settings.max_migrations,
                                          stall_timeout=settings.stream_stall_timeout, metrics=self.metrics)
@@ -109,8 +102,7 @@ class Router:
                      shutdown_timeout=self.settings.shutdown_timeout)
 
     async def start(self) -> None:
-        if self.siblings is not None:
-            await self.siblings.start()
+        await self.exposition.start()
         await self.pool.start()
         self.canary.start()
         log.info("worker pool probed", model=self.info.name, served_model_names=self.names,
@@ -125,11 +117,10 @@ class Router:
         await self.canary.close()
         await self.orchestrator.close()
         await self.pool.close()
-        if self.siblings is not None:
-            await self.siblings.close()
+        await self.exposition.close()
 
     async def metrics_exposition(self) -> bytes:
-        return self.metrics.exposition() if self.siblings is None else await self.siblings.exposition()
+        return await self.exposition.exposition()
 
     # --- what every route uses ----------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""One `/metrics` for all the router's processes (`--processes N`, N > 1).
+"""One `/metrics` for all the router's processes (`--processes N`, N > 1); `OwnMetrics` is the
+same interface for a router of one process (services/router/load_view.py picks one at start).
 
 A scrape reaches whichever process the kernel hands the connection to, so each process also
 serves its own exposition on a Unix socket in the router's shared folder, and the process that
@@ -28,6 +29,22 @@ SIBLING_TIMEOUT = 1.0  # seconds one sibling may take to hand over its expositio
 
 def socket_path(folder: str, index: int) -> str:
     return os.path.join(folder, f"metrics-{index}.sock")
+
+
+class OwnMetrics:
+    """A router of one process: `/metrics` is its own exposition; nothing to serve or merge."""
+
+    def __init__(self, own: Callable[[], bytes]):
+        self.own = own
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def exposition(self) -> bytes:
+        return self.own()
 
 
 class SiblingMetrics:

@@ -336,7 +336,7 @@ def test_router_without_the_lane_serves_and_fails_over_the_same(how):
         assert r.status_code == 200, r.text
         events = sse_payloads(r.text)
         assert "".join(e["choices"][0]["text"] for e in events if e.get("choices")) == "Hello"
-        stubs = [w.stub for w in c.router.pool.workers]
+        stubs = [w.transport for w in c.router.pool.workers]
         if how == "flag_off":
             assert not any(hasattr(s, "lane") for s in stubs)
         else:

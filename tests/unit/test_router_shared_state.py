@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.metrics import Metrics
 from services.fakes.workers import FakeDecode, FakePrefill
+from services.router.load_view import SharedLoad
 from services.router.pool import WorkerPool, load_of
 from services.router.shared_state import ADMIT_LOCK_WAIT, MAX_WORKERS, SharedState, state_path, worker_key
 from services.router.sibling_metrics import SIBLING_TIMEOUT, SiblingMetrics, merge_expositions, socket_path
@@ -136,7 +137,7 @@ async def _pools(tmp_path, prefill: FakePrefill, decode: FakeDecode):
     SharedState.create(path, 2)
     pools = [
         WorkerPool([prefill.addr], [decode.addr], interval=30, timeout=0.5, failure_threshold=3,
-                   shared=SharedState(path, 2, i))
+                   load=SharedLoad(SharedState(path, 2, i)))
         for i in range(2)
     ]
     for pool in pools:

@@ -52,8 +52,11 @@ class DecodeWorker:
         quarantine_max: float = 60.0,
         quarantine_retry: float = 0.5,
         quarantine_unreachable_hold: float = 0.0,
+        offer_held_prefix: bool = True,
     ):
         self.engine = engine
+        # name the held prefix pages in Attach so prefill may READ them (--kv-read-held-prefix)
+        self.offer_held_prefix = offer_held_prefix
         self.receiver = receiver
         self.coordinator = coordinator
         self.metrics = metrics
@@ -161,10 +164,13 @@ class DecodeWorker:
         if job.pages is not None:
             alloc = self.engine.pool.allocator
             if job.ended_in in PAGES_EXPOSED:
-                # the shared prefix was never named to prefill; the pages after it were
+                # prefill may still WRITE into the fresh pages it was named, and READ the held
+                # prefix pages it was offered (a recycled page would feed it another prompt's KV):
+                # both wait for its quiesced answer; held pages never offered go back at once
                 skip = job.cached_tokens // self.engine.pool.page_size
-                alloc.free(job.pages[:skip], owner=job.room)
-                self.admission.quarantine(job.room, job.prefill_addr, job.pages[skip:])
+                alloc.free(job.pages[job.offered_pages:skip], owner=job.room)
+                self.admission.quarantine(job.room, job.prefill_addr,
+                                          job.pages[:job.offered_pages] + job.pages[skip:])
             else:
                 self._keep_cached(job)
                 alloc.free(job.pages, owner=job.room)

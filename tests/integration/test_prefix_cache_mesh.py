@@ -1,8 +1,11 @@
 """The prefix cache through the real mesh (router, prefill, decode; real gRPC, HTTP and NIXL):
 a 16-round conversation growing to ~2,000 tokens, greedy and seeded, streamed and not, must produce exactly
 what single-process generation does, with the cache warm, after POST /reset_prefix_cache, and
-on workers started with --prefix-cache off; from round 2 on prefill computes only what it has
-not cached, the KV moved is only the pages decode lacks, and usage reports the cached tokens."""
+on workers started with --prefix-cache off; from round 2 on prefill computes only the round's new
+tokens (plus at most one page): what its own cache lacks of the previous prompt and reply it READs
+from the pages decode holds (--kv-read-held-prefix), the KV moved is only the pages decode lacks,
+and usage reports the cached tokens. With the READ off, or failing (a wrong checksum, a READ that
+never answers), prefill computes the reply again and the output stays the same."""
 
 from __future__ import annotations
 
@@ -65,40 +68,70 @@ def decode_text(ids):
     return TOK.decode(ids)
 
 
+def delta(after, before, name):
+    return after.get(name, 0) - before.get(name, 0)
+
+
+REPLY = 8  # tokens generated per round
+
+
+def converse(r, p, reference_model, n_rounds, read=True, seed=11):
+    """A conversation of n_rounds (prompts as token ids: the reply's ids come back unchanged, as
+    the router's own tokens would), each round checked against single-process generation and
+    against the prefill and transfer bounds. Returns per round (prompt tokens, computed by
+    prefill, KV bytes moved, cached tokens in usage, pages READ)."""
+    rng = random.Random(seed)
+    page_nbytes = KVPool(reference_model.config, 1, P).page_nbytes
+    history = [rng.randrange(3, 256) for _ in range(90)]
+    rounds = []
+    for i in range(n_rounds):
+        seed_i = None if i % 2 == 0 else 100 + i
+        params = SamplingParams(temperature=0.8 if seed_i is not None else 0.0, seed=seed_i, max_tokens=REPLY,
+                                ignore_eos=True)
+        ref = reference(reference_model, history, params)
+        before = p.metrics()
+        text, usage = generated_text(r, history, REPLY, seed_i, stream=i % 2 == 1)
+        after = p.metrics()
+        assert text == decode_text(ref), f"round {i + 1}"
+        computed = delta(after, before, "pdmesh:prompt_tokens_total")
+        moved = delta(after, before, "pdmesh:kv_transfer_bytes_sum")
+        read_pages = delta(after, before, "pdmesh:kv_read_pages_total")
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        rounds.append((len(history), computed, moved, cached, read_pages))
+        if i:
+            prev_len = rounds[i - 1][0]
+            new = len(history) - prev_len - REPLY  # beyond the previous prompt and reply
+            held = (prev_len + REPLY - 1) // P  # decode cached prompt + reply but the last token
+            if read:
+                # prefill has the previous prompt's full pages; decode's held pages bring the rest
+                # of the previous prompt and the reply: it computes the new tokens + at most a page
+                assert computed <= new + P, f"round {i + 1}: computed {computed}, new {new}"
+                assert read_pages == held - prev_len // P and cached == held * P
+            else:
+                # prefill computes what it does not hold: the previous prompt's partial page, the
+                # reply (decode made it; prefill never saw it) and the new tokens
+                assert computed <= len(history) - (prev_len // P) * P
+                assert cached == (prev_len // P) * P and read_pages == 0
+            # decode kept the previous prompt and reply: only the pages after them move (+ aux row)
+            assert moved <= (-(-len(history) // P) - held) * page_nbytes + 64
+            assert moved <= (-(-new // P) + 1) * page_nbytes + 64  # the new tokens' pages + 1
+        else:
+            assert computed == len(history) and cached == 0 and read_pages == 0
+        history = history + ref + [rng.randrange(3, 256) for _ in range(120)]
+    return rounds
+
+
 # 16 rounds grow to ~2,000 tokens (make long-test); make test's short form stops at 8 (~1,000),
 # the same checks on every round: the reference model recomputes the whole history each round.
 @pytest.mark.parametrize("n_rounds", [8, pytest.param(16, marks=pytest.mark.long)])
 def test_a_growing_conversation_reuses_its_prefix_and_matches_single_process(mesh, reference_model, n_rounds):
     m, p, d, r = mesh
-    rng = random.Random(11)
-    page_nbytes = KVPool(reference_model.config, 1, P).page_nbytes
-    history = [rng.randrange(3, 256) for _ in range(90)]
-    rounds = []
-    for i in range(n_rounds):
-        seed = None if i % 2 == 0 else 100 + i
-        params = SamplingParams(temperature=0.8 if seed is not None else 0.0, seed=seed, max_tokens=8, ignore_eos=True)
-        ref = reference(reference_model, history, params)
-        before_p, before_d = p.metrics(), d.metrics()
-        text, usage = generated_text(r, history, 8, seed, stream=i % 2 == 1)
-        after_p = p.metrics()
-        assert text == decode_text(ref), f"round {i + 1}"
-        computed = after_p["pdmesh:prompt_tokens_total"] - before_p.get("pdmesh:prompt_tokens_total", 0)
-        moved = after_p["pdmesh:kv_transfer_bytes_sum"] - before_p.get("pdmesh:kv_transfer_bytes_sum", 0)
-        rounds.append((len(history), computed, moved, usage["prompt_tokens_details"]["cached_tokens"], before_d))
-        if i:
-            prev_len = rounds[i - 1][0]
-            # prefill computes what it does not hold: the previous prompt's partial page, the
-            # reply (decode made it; prefill never saw it) and the new tokens
-            assert computed <= len(history) - (prev_len // P) * P
-            assert usage["prompt_tokens_details"]["cached_tokens"] == (prev_len // P) * P
-            # decode kept the previous prompt and reply: only the pages after them move (+ aux row)
-            held = (prev_len + 8 - 1) // P
-            assert moved <= (-(-len(history) // P) - held) * page_nbytes + 64
-            new = len(history) - prev_len - 8  # beyond the previous prompt and reply
-            assert moved <= (-(-new // P) + 1) * page_nbytes + 64  # the new tokens' pages + 1
-        else:
-            assert computed == len(history) and usage["prompt_tokens_details"]["cached_tokens"] == 0
-        history = history + ref + [rng.randrange(3, 256) for _ in range(120)]
+    reads_before = p.metrics()
+    rounds = converse(r, p, reference_model, n_rounds)
+    after = p.metrics()
+    print("rounds (prompt tokens, computed, KV bytes, cached, pages read):", rounds)
+    assert delta(after, reads_before, "pdmesh:kv_read_pages_total") == sum(x[4] for x in rounds) > 0
+    assert delta(after, reads_before, "pdmesh:kv_read_failures_total") == 0
     md = d.metrics()
     assert md["pdmesh:prefix_cache_hits_total"] > 0 and md["pdmesh:prefix_cache_pages"] > 0
     assert p.metrics()["pdmesh:cache_hit_rate"] > 0

@@ -97,7 +97,8 @@ class KVReceiver:
         self._fault_rng = random.Random(fault_seed)
         if corrupt_kv:
             log.warning("FAULT INJECTION ON: KV receiver corrupts a room's KV", probability=corrupt_kv)
-        # TEST-ONLY fault knob: the checksum of the first held page an Attach offers is wrong,
+        # TEST-ONLY fault knob: the checksum of the last held page an Attach offers is wrong (a READ
+        # always takes the last: prefill reads from the end of its own hit on),
         # so prefill's READ of it fails verification and prefill computes those tokens itself
         self.corrupt_kv_read = corrupt_kv_read
         if corrupt_kv_read:
@@ -141,8 +142,8 @@ class KVReceiver:
         self.wakeup()  # poll notifications from now on (one may beat the attach reply)
         checksums = [page_checksum(self.pool.page_run_bytes, p) for p in held_pages] if self.verify_checksum else []
         if checksums and self.corrupt_kv_read:
-            checksums[0] ^= 1
-            log.warning("FAULT: held-page checksum corrupted in Attach", room=room, page=held_pages[0])
+            checksums[-1] ^= 1
+            log.warning("FAULT: held-page checksum corrupted in Attach", room=room, page=held_pages[-1])
         return AttachParams(room, self.agent_name, self.epoch, list(dst_pages), r.aux_slot, skip_pages,
                             list(held_pages), checksums)
 

@@ -20,7 +20,7 @@ from services.engine.kv_pool import KVPool
 from services.engine.loader import load_model
 from services.engine.local_generate import generate_full
 from tests.integration.http_client import post_json, stream_events
-from tests.integration.mesh import Mesh, wait_for
+from tests.integration.mesh import Mesh, labelled_samples, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -173,5 +173,43 @@ def test_with_the_cache_off_nothing_is_reused_and_output_is_the_same(tmp_path, r
         resp = httpx.post(r.http_url + "/reset_prefix_cache", timeout=10)
         assert resp.status_code == 200 and not any(w["prefix_cache"] for w in resp.json()["workers"])
         m.assert_invariants()
+    finally:
+        m.close()
+
+
+def read_failures(p) -> dict[str, float]:
+    text = httpx.get(p.http_url + "/metrics", timeout=5).text
+    return {s["reason"]: v for s, v in labelled_samples(text, "pdmesh:kv_read_failures_total")}
+
+
+def test_with_the_read_off_prefill_computes_the_reply_and_output_is_the_same(tmp_path, reference_model):
+    m = Mesh(tmp_path)
+    try:
+        (p,), (d,) = m.start_workers(1, 1, ("--kv-read-held-prefix", "off"), ("--kv-read-held-prefix", "off"))
+        r = m.start_router([p], [d], "--local-prefill-max-tokens", "0")
+        converse(r, p, reference_model, 3, read=False)
+        assert p.metrics()["pdmesh:kv_read_pages_total"] == 0
+        m.assert_invariants()
+    finally:
+        m.close()
+
+
+# A READ that fails falls back to computing: a wrong checksum in decode's offer (corrupt_kv_read),
+# a READ never checked until its deadline (stall_kv_read, as one from a frozen decode).
+@pytest.mark.parametrize("fault,prefill_args,decode_args", [
+    pytest.param("checksum", (), ("--faults", "corrupt_kv_read"), marks=pytest.mark.long),
+    ("timeout", ("--faults", "stall_kv_read", "--kv-read-timeout", "0.3"), ()),
+])
+def test_a_failed_read_falls_back_to_computing_and_output_is_the_same(tmp_path, reference_model, fault,
+                                                                       prefill_args, decode_args):
+    m = Mesh(tmp_path)
+    try:
+        (p,), (d,) = m.start_workers(1, 1, prefill_args, decode_args)
+        r = m.start_router([p], [d], "--local-prefill-max-tokens", "0")
+        converse(r, p, reference_model, 3, read=False)  # the bounds of no READ: it gave nothing
+        assert read_failures(p)[fault] == 2  # rounds 2 and 3 each tried once
+        assert p.metrics()["pdmesh:kv_read_pages_total"] == 0
+        assert "READ of decode's held prefix failed" in p.log()
+        m.assert_invariants(nixl=True)
     finally:
         m.close()

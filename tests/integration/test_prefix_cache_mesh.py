@@ -138,6 +138,33 @@ def test_a_growing_conversation_reuses_its_prefix_and_matches_single_process(mes
     m.assert_invariants()
 
 
+def test_a_reply_that_comes_back_different_is_read_up_to_its_first_differing_page(mesh, reference_model):
+    """A client's harness re-tokenizes the reply, and the ids may differ from those generated:
+    decode's chain keys then miss from the page holding the first difference, so decode holds,
+    and prefill READs, only the pages before it; what follows is computed, and the output is
+    that of the prompt as sent."""
+    m, p, d, r = mesh
+    rng = random.Random(5)
+    history = [rng.randrange(3, 256) for _ in range(90)]  # 5 full pages + 10 tokens
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    reply = reference(reference_model, history, greedy)
+    assert generated_text(r, history, 40)[0] == decode_text(reply)
+    # decode cached prompt + reply but its last token: (90 + 39) // 16 = 8 pages. The reply comes
+    # back with its 31st id changed: position 120, in page 7, so decode's hit stops at 7 pages
+    changed = list(reply)
+    changed[30] = 3 if changed[30] != 3 else 4
+    prompt = history + changed + [rng.randrange(3, 256) for _ in range(30)]
+    params = SamplingParams(temperature=0.0, max_tokens=REPLY, ignore_eos=True)
+    before = p.metrics()
+    text, usage = generated_text(r, prompt, REPLY)
+    after = p.metrics()
+    assert text == decode_text(reference(reference_model, prompt, params))
+    assert delta(after, before, "pdmesh:kv_read_pages_total") == 7 - 90 // P  # pages 5 and 6
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 7 * P
+    assert delta(after, before, "pdmesh:prompt_tokens_total") == len(prompt) - 7 * P
+    m.assert_invariants()
+
+
 def test_reset_empties_every_cache_and_output_stays_the_same(mesh, reference_model):
     m, p, d, r = mesh
     prompt = [7 + (i * 13) % 240 for i in range(70)]

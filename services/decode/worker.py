@@ -67,6 +67,7 @@ class DecodeWorker:
         self.admission = Admission(self, quarantine_max, quarantine_retry, quarantine_unreachable_hold)
         self.scheduler = DecodeScheduler(self, max_running, chunk_budget)
         receiver.on_terminal = self._on_receiver_terminal
+        receiver.checksum_memo = engine.prefix_cache  # offered held pages: hashed once while cached
         m = metrics
         m.gauge_from("num_decode_prealloc_queue_reqs", lambda: self._count(Phase.PREALLOC, Phase.ATTACHING))
         m.gauge_from("num_decode_transfer_queue_reqs", lambda: self._count(Phase.AWAITING_KV))

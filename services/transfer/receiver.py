@@ -103,6 +103,9 @@ class KVReceiver:
         self.corrupt_kv_read = corrupt_kv_read
         if corrupt_kv_read:
             log.warning("FAULT INJECTION ON: held-page checksums in Attach are wrong")
+        # remembers a cached page's checksum while it stays cached (the decode worker sets its
+        # PrefixCache here): an offered page is hashed once, not once per round
+        self.checksum_memo = None
         self.agent = agent
         self.pool = pool
         self.clock = clock
@@ -140,12 +143,18 @@ class KVReceiver:
         r.dst_pages = list(dst_pages)
         r.early = []
         self.wakeup()  # poll notifications from now on (one may beat the attach reply)
-        checksums = [page_checksum(self.pool.page_run_bytes, p) for p in held_pages] if self.verify_checksum else []
+        checksums = [self._held_checksum(p) for p in held_pages] if self.verify_checksum else []
         if checksums and self.corrupt_kv_read:
             checksums[-1] ^= 1
             log.warning("FAULT: held-page checksum corrupted in Attach", room=room, page=held_pages[-1])
         return AttachParams(room, self.agent_name, self.epoch, list(dst_pages), r.aux_slot, skip_pages,
                             list(held_pages), checksums)
+
+    def _held_checksum(self, page: int) -> int:
+        def compute(p: int) -> int:
+            return page_checksum(self.pool.page_run_bytes, p)
+
+        return compute(page) if self.checksum_memo is None else self.checksum_memo.checksum(page, compute)
 
     def mark_attached(self, room: int, sender_agent: str, sender_epoch: int) -> bool:
         """The Attach RPC succeeded -> WaitingForInput. False if the room is gone or terminal."""

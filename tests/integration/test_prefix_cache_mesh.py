@@ -127,7 +127,7 @@ def converse(r, p, reference_model, n_rounds, read=True, seed=11):
 def test_a_growing_conversation_reuses_its_prefix_and_matches_single_process(mesh, reference_model, n_rounds):
     m, p, d, r = mesh
     reads_before = p.metrics()
-    rounds = converse(r, p, reference_model, n_rounds)
+    rounds = converse(r, p, reference_model, n_rounds, seed=11 + n_rounds)  # its own history: nothing cached yet
     after = p.metrics()
     print("rounds (prompt tokens, computed, KV bytes, cached, pages read):", rounds)
     assert delta(after, reads_before, "pdmesh:kv_read_pages_total") == sum(x[4] for x in rounds) > 0

@@ -9,18 +9,22 @@ that each one's worker counters are its own.
 
 Per turn it records, from the client: time to first token (streamed), prompt tokens and
 `usage.prompt_tokens_details.cached_tokens`; from the workers' metrics: prompt tokens prefill
-computed (`prompt_tokens_total`) and KV bytes sent (`kv_transfer_bytes_sum`). Two meshes run the
+computed (`prompt_tokens_total`), prompt pages it READ from decode's held prefix
+(`kv_read_pages_total`) and KV bytes sent (`kv_transfer_bytes_sum`). Two meshes run the
 same conversations in the same run, one pair each: `--prefix-cache on` and `off`, both with
 conditional disaggregation off (router --local-prefill-max-tokens 0: every turn through prefill,
 so the reuse figures are prefill's and the transfer's own); then the cache-on pair again, its
 caches emptied (POST /reset_prefix_cache), behind a router with conditional disaggregation on
 (`pd_cache_on_local`, --local-prefill-max-tokens N): a turn whose uncached part is at most N
 tokens goes to decode alone (`local` counts them; their prompt is computed on decode, so prefill's
-computed tokens and the KV bytes are 0). With --colocated a fourth, colocated with the cache on
-(decode computes prompts itself, nothing moves).
+computed tokens and the KV bytes are 0). `pd_read_off`: a third pair with the cache on but
+`--kv-read-held-prefix off` (prefill recomputes the previous reply, which only decode saw). With
+--colocated a fifth, colocated with the cache on (decode computes prompts itself, nothing moves).
+--sides runs only the named sides.
 
 Usage: python bench/multiround.py [--conversations 2] [--turns 16] [--user-words 60]
        [--max-tokens 24] [--seed 0] [--local-prefill-max-tokens 512] [--colocated]
+       [--sides pd_cache_on,pd_read_off]
        > bench/out/multiround.json
 """
 
@@ -55,12 +59,13 @@ def conversation_turns(rng: random.Random, turns: int, user_words: int) -> list[
             for _ in range(turns)]
 
 
-def worker_counters(router: Proc, proc: Proc | None) -> tuple[float, float, float]:
+def worker_counters(router: Proc, proc: Proc | None) -> tuple[float, float, float, float]:
     local = router.metrics().get("pdmesh:router_local_prefill_requests_total", 0.0)
     if proc is None:
-        return 0.0, 0.0, local
+        return 0.0, 0.0, local, 0.0
     m = proc.metrics()
-    return m.get("pdmesh:prompt_tokens_total", 0.0), m.get("pdmesh:kv_transfer_bytes_sum", 0.0), local
+    return (m.get("pdmesh:prompt_tokens_total", 0.0), m.get("pdmesh:kv_transfer_bytes_sum", 0.0), local,
+            m.get("pdmesh:kv_read_pages_total", 0.0))
 
 
 def one_turn(router: Proc, counted: Proc | None, messages: list[dict], max_tokens: int) -> dict:
@@ -92,6 +97,7 @@ def one_turn(router: Proc, counted: Proc | None, messages: list[dict], max_token
         "computed_tokens": int(after[0] - before[0]) if counted is not None else None,
         "kv_bytes": int(after[1] - before[1]) if counted is not None else None,
         "local": int(after[2] - before[2]),  # 1: sent to decode alone (conditional disaggregation)
+        "read_pages": int(after[3] - before[3]) if counted is not None else None,
         "reply": "".join(text),
     }
 
@@ -116,7 +122,7 @@ def summary(per_conv: list[list]) -> dict:
         vals = [conv[t][key] for conv in per_conv if conv[t][key] is not None]
         return statistics.median(vals) if vals else None
 
-    keys = ("ttft_ms", "prompt_tokens", "cached_tokens", "computed_tokens", "kv_bytes")
+    keys = ("ttft_ms", "prompt_tokens", "cached_tokens", "computed_tokens", "kv_bytes", "read_pages")
     rows = [{k: median(k, t) for k in keys} for t in range(turns)]
     out = {"per_turn_median": rows, "local_turns": sum(rec["local"] for conv in per_conv for rec in conv)}
     if turns >= 2 and rows[1]["ttft_ms"]:
@@ -134,7 +140,10 @@ def main() -> None:
     ap.add_argument("--local-prefill-max-tokens", type=int, default=512,
                     help="the pd_cache_on_local router's threshold (conditional disaggregation)")
     ap.add_argument("--colocated", action="store_true", help="also a colocated decode with the cache on")
+    ap.add_argument("--sides", default="", help="comma-separated sides to run (default: all)")
     args = ap.parse_args()
+    sides = set(filter(None, args.sides.split(","))) or {"pd_cache_on", "pd_cache_off", "pd_cache_on_local",
+                                                        "pd_read_off", "colocated_cache_on"}
 
     rng = random.Random(args.seed)
     system = "You are a careful assistant. " + " ".join(rng.choice(WORDS) for _ in range(80))
@@ -143,20 +152,28 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         m = Launcher(log_dir=pathlib.Path(tmp))
         try:
-            p_on, d_on = m.start_prefill(env=quiet, wait=False), m.start_decode(env=quiet, wait=False)
-            off = ("--prefix-cache", "off")
-            p_off, d_off = m.start_prefill(*off, env=quiet, wait=False), m.start_decode(*off, env=quiet, wait=False)
-            c_on = m.start_decode(env=quiet, wait=False) if args.colocated else None
-            for w in (p_on, d_on, p_off, d_off, c_on):
+            def pair(*flags):
+                return m.start_prefill(*flags, env=quiet, wait=False), m.start_decode(*flags, env=quiet, wait=False)
+
+            on = sides & {"pd_cache_on", "pd_cache_on_local"}
+            p_on, d_on = pair() if on else (None, None)
+            p_off, d_off = pair("--prefix-cache", "off") if "pd_cache_off" in sides else (None, None)
+            p_nr, d_nr = pair("--kv-read-held-prefix", "off") if "pd_read_off" in sides else (None, None)
+            c_on = m.start_decode(env=quiet, wait=False) if args.colocated and "colocated_cache_on" in sides else None
+            for w in (p_on, d_on, p_off, d_off, p_nr, d_nr, c_on):
                 if w is not None:
                     m.wait_healthy(w)
             no_local = ("--local-prefill-max-tokens", "0")  # reuse measured with every turn through prefill
-            routers = {
-                "pd_cache_on": (m.start_router([p_on], [d_on], *no_local, env=quiet), p_on),
-                "pd_cache_off": (m.start_router([p_off], [d_off], *no_local, env=quiet), p_off),
-                "pd_cache_on_local": (m.start_router([p_on], [d_on], "--local-prefill-max-tokens",
-                                                     str(args.local_prefill_max_tokens), env=quiet), p_on),
-            }
+            routers = {}
+            if "pd_cache_on" in sides:
+                routers["pd_cache_on"] = (m.start_router([p_on], [d_on], *no_local, env=quiet), p_on)
+            if "pd_cache_off" in sides:
+                routers["pd_cache_off"] = (m.start_router([p_off], [d_off], *no_local, env=quiet), p_off)
+            if "pd_read_off" in sides:
+                routers["pd_read_off"] = (m.start_router([p_nr], [d_nr], *no_local, env=quiet), p_nr)
+            if "pd_cache_on_local" in sides:
+                routers["pd_cache_on_local"] = (m.start_router([p_on], [d_on], "--local-prefill-max-tokens",
+                                                               str(args.local_prefill_max_tokens), env=quiet), p_on)
             if c_on is not None:
                 routers["colocated_cache_on"] = (m.start_router([], [c_on], "--mode", "colocated", env=quiet), None)
             results = {}

@@ -73,6 +73,10 @@ WORKER_FLAGS = [
          "on: prefill sends an XXH3-64 checksum of each room's KV pages and aux row, decode verifies it "
          "before the room's first step and fails the room (DATA_LOSS, the router fails over) on a mismatch; "
          "off: prefill sends none and decode checks none"),
+    Flag("kv-read-held-prefix", bool, True,
+         "prefill READs (NIXL) the prompt pages decode holds beyond its own prefix-cache hit (a conversation's "
+         "previous prompt and reply) instead of computing them; decode offers them in its Attach, with a KV "
+         "checksum per page under --kv-checksum. Off on either side: prefill computes them"),
     Flag("drain-timeout", float, 30.0,
          "seconds a stopping worker (SIGTERM) waits for the rooms it holds to finish or move away while it "
          "refuses new ones and reports NOT_SERVING (the router ejects it and migrates decode streams)"),
@@ -116,6 +120,9 @@ PREFILL_FLAGS = [
     Flag("chunked-prefill-size", int, 512, "token budget of one prefill forward; longer prompts are chunked"),
     Flag("bootstrap-timeout", float, 300.0, "seconds a request may wait in the bootstrap queue for decode to attach"),
     Flag("inflight-timeout", float, 60.0, "seconds a request may stay in the inflight queue (KV being sent)"),
+    Flag("kv-read-timeout", float, 5.0,
+         "seconds from the start of a READ of decode's held prefix (--kv-read-held-prefix) until it is given up "
+         "and those tokens are computed (a frozen decode never answers a READ)"),
 ]
 
 DECODE_FLAGS = [

@@ -12,6 +12,10 @@ is logged loudly at start so nobody runs a faulty worker by accident.
                           value negated), for every room or each with probability P (fault_seed)
   misroute_kv[=P]         prefill writes a room's first two KV pages into each other's destination
                           pages (its own pages, wrong order), every room or with probability P
+  stall_kv_read           prefill never checks its READs of decode's held prefix: each runs into
+                          --kv-read-timeout (as a READ from a frozen decode does)
+  corrupt_kv_read         decode offers its held prefix pages with a wrong checksum for the last
+                          one, so prefill's READ (which always takes the last) fails verification
   sigstop_after_attach    decode freezes itself (SIGSTOP) right after its first attach
   delay_forward=SECONDS   every forward sleeps this long first (engine thread, either worker)
   fail_forward[=P]        every forward raises (bare), or each with probability P, drawn from
@@ -41,6 +45,8 @@ KNOWN: dict[str, tuple[type, object]] = {
     "fail_attach_from": (str, None),
     "corrupt_kv": (float, 1.0),
     "misroute_kv": (float, 1.0),
+    "stall_kv_read": (bool, True),
+    "corrupt_kv_read": (bool, True),
     "sigstop_after_attach": (bool, True),
     "delay_forward": (float, None),
     "fail_forward": (float, 1.0),
@@ -63,6 +69,8 @@ class Faults:
     fail_attach_from: str = ""
     corrupt_kv: float = 0.0  # probability that a room's KV is corrupted after it landed (decode)
     misroute_kv: float = 0.0  # probability that a room's pages land in the wrong order (prefill)
+    stall_kv_read: bool = False  # prefill: READs of decode's held prefix run into their deadline
+    corrupt_kv_read: bool = False  # decode: the last held page's checksum in Attach is wrong
     sigstop_after_attach: bool = False
     delay_forward: float = 0.0
     fail_forward: float = 0.0  # probability that one forward raises

@@ -65,6 +65,7 @@ ROUTER_OWN = frozenset({
     "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
     "num_running_reqs",
 })
+KV_READ_FAILURE_REASONS = ("error", "timeout", "checksum")  # services/transfer/reader.py's REASONS
 GEN_THROUGHPUT_WINDOW = 10.0  # seconds of generated tokens gen_throughput averages over
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -140,6 +141,25 @@ class Metrics:
         if engine_type in ("prefill", "decode"):
             for m in (self.prefix_cache_queries, self.prefix_cache_hits, self.prefix_cache_evictions):
                 m.labels(**self.labels)  # at 0 from the start
+        # prefill's READ of the prompt pages decode holds (services/transfer/reader.py)
+        self.kv_read_pages = counter(
+            "kv_read_pages_total",
+            "prefill: prompt pages read from decode's held prefix (NIXL READ, verified) instead of computed",
+        )
+        self.kv_read_bytes = counter("kv_read_bytes_total", "prefill: bytes of the verified READs of decode's held prefix")
+        self.kv_read_failures = counter(
+            "kv_read_failures_total",
+            "prefill: READs of decode's held prefix that gave nothing, by reason (error, timeout, checksum); "
+            "their tokens were computed",
+            ("reason",),
+        )
+        self.kv_read_latency = histogram("kv_read_latency_seconds", "prefill: a verified READ of decode's held prefix, "
+                                         "from its post to its handle's release")
+        if engine_type == "prefill":  # at 0 from the start
+            self.kv_read_pages.labels(**self.labels)
+            self.kv_read_bytes.labels(**self.labels)
+            for reason in KV_READ_FAILURE_REASONS:
+                self.kv_read_failures.labels(**self.labels, reason=reason)
         self.generation_tokens = counter("generation_tokens_total", "tokens generated")
         self.router_requests = counter("router_requests_total", "router requests by HTTP status", ("status",))
         self.router_migrations = counter(

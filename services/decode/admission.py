@@ -12,9 +12,12 @@ held back from the pool — until prefill confirms it let go or is gone (service
 
 Prefix cache (--prefix-cache): a room first takes the longest cached prefix of its prompt
 (pages shared with the cache and other rooms, full pages only, at least one prompt token left)
-and fresh pages for the rest. The Attach names only the fresh pages (`skip_pages` says how many
-prompt pages decode holds), so prefill sends only those and no WRITE can reach a shared page;
-quarantine therefore only ever holds fresh pages. A colocated room computes from the end of its hit.
+and fresh pages for the rest. The Attach names only the fresh pages as destinations
+(`skip_pages` says how many prompt pages decode holds), so prefill sends only those and no WRITE
+can reach a shared page. With --kv-read-held-prefix it also offers the held pages' ids (and a KV
+checksum each) for prefill to READ what its own cache lacks; a room that ends before its KV
+arrived then quarantines those shared pages with the fresh ones, so that no page prefill may
+still be reading is evicted and rewritten meanwhile. A colocated room computes from the end of its hit.
 """
 
 from __future__ import annotations
@@ -105,10 +108,13 @@ class Admission:
 
     async def _attach(self, job: Job) -> None:
         skip = job.cached_tokens // self.pool.page_size
-        # only the fresh pages are named to prefill: a WRITE can never reach a shared page
+        # only the fresh pages are named as destinations: a WRITE can never reach a shared page;
+        # the shared ones may be offered for prefill to READ (a READ never writes decode's memory)
         prompt_pages = job.pages[skip : self.pool.pages_for_tokens(len(job.token_ids))]
+        job.offered_pages = skip if self.worker.offer_held_prefix else 0
         try:
-            ok = await self.coordinator.attach(job.room, job.prefill_addr, prompt_pages, skip)
+            ok = await self.coordinator.attach(job.room, job.prefill_addr, prompt_pages, skip,
+                                               job.pages[: job.offered_pages])
         finally:
             self.attaching.discard(job)
         if job.finished:  # failed (abort, watchdog) while the attach RPC was in flight

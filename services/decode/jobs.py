@@ -114,6 +114,8 @@ class Job:
     # prompt tokens whose KV nobody computed for it, as usage reports them: with a prefill
     # worker, the prefix prefill found cached (the aux row carries it); colocated, cached_tokens
     usage_cached_tokens: int = 0
+    # its first pages that its Attach offered prefill for a READ (the held prefix; 0: none)
+    offered_pages: int = 0
     last_token_at: float | None = None
     canary: bool = False  # the router's canary: served as any job, left out of the request metrics
     # colocated with params.prompt_logprobs: what its local prefill chunks computed (the first

@@ -32,7 +32,7 @@ async def serve(argv=None) -> None:
     engine = await asyncio.to_thread(WorkerEngine.from_settings, args, faults)
     agent = NixlAgent.for_pool("decode", engine.pool)
     receiver = KVReceiver(agent, engine.pool, verify_checksum=args.kv_checksum, corrupt_kv=faults.corrupt_kv,
-                          fault_seed=faults.fault_seed)
+                          fault_seed=faults.fault_seed, corrupt_kv_read=faults.corrupt_kv_read)
     coordinator = KVReceiveCoordinator(
         receiver,
         worker_id,
@@ -44,6 +44,7 @@ async def serve(argv=None) -> None:
         engine, receiver, coordinator, metrics, faults, args.max_running_requests, args.chunked_prefill_size,
         quarantine_max=args.transfer_timeout, quarantine_retry=min(args.heartbeat_interval, 1.0),
         quarantine_unreachable_hold=args.transfer_tcp_user_timeout + 1.0 if args.transfer_tcp_user_timeout > 0 else 0.0,
+        offer_held_prefix=args.kv_read_held_prefix,
     )
 
     async def heartbeats():

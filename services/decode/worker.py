@@ -52,8 +52,11 @@ class DecodeWorker:
         quarantine_max: float = 60.0,
         quarantine_retry: float = 0.5,
         quarantine_unreachable_hold: float = 0.0,
+        offer_held_prefix: bool = True,
     ):
         self.engine = engine
+        # name the held prefix pages in Attach so prefill may READ them (--kv-read-held-prefix)
+        self.offer_held_prefix = offer_held_prefix
         self.receiver = receiver
         self.coordinator = coordinator
         self.metrics = metrics
@@ -64,6 +67,7 @@ class DecodeWorker:
         self.admission = Admission(self, quarantine_max, quarantine_retry, quarantine_unreachable_hold)
         self.scheduler = DecodeScheduler(self, max_running, chunk_budget)
         receiver.on_terminal = self._on_receiver_terminal
+        receiver.checksum_memo = engine.prefix_cache  # offered held pages: hashed once while cached
         m = metrics
         m.gauge_from("num_decode_prealloc_queue_reqs", lambda: self._count(Phase.PREALLOC, Phase.ATTACHING))
         m.gauge_from("num_decode_transfer_queue_reqs", lambda: self._count(Phase.AWAITING_KV))
@@ -161,10 +165,13 @@ class DecodeWorker:
         if job.pages is not None:
             alloc = self.engine.pool.allocator
             if job.ended_in in PAGES_EXPOSED:
-                # the shared prefix was never named to prefill; the pages after it were
+                # prefill may still WRITE into the fresh pages it was named, and READ the held
+                # prefix pages it was offered (a recycled page would feed it another prompt's KV):
+                # both wait for its quiesced answer; held pages never offered go back at once
                 skip = job.cached_tokens // self.engine.pool.page_size
-                alloc.free(job.pages[:skip], owner=job.room)
-                self.admission.quarantine(job.room, job.prefill_addr, job.pages[skip:])
+                alloc.free(job.pages[job.offered_pages:skip], owner=job.room)
+                self.admission.quarantine(job.room, job.prefill_addr,
+                                          job.pages[:job.offered_pages] + job.pages[skip:])
             else:
                 self._keep_cached(job)
                 alloc.free(job.pages, owner=job.room)

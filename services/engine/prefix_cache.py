@@ -57,6 +57,9 @@ class PrefixCache:
         self.query_tokens = 0  # prompt tokens looked up (`record`), and of those found cached
         self.hit_tokens = 0
         self.on_evicted: Callable[[int], None] | None = None  # metrics: one call per evicted page
+        # a cached page's KV checksum, computed once (`checksum`): its bytes cannot change while it
+        # is cached (nobody writes a cached page), so the value holds until it leaves the cache
+        self._checksums: dict[int, int] = {}
         allocator.on_evict = self._forget
 
     @property
@@ -120,6 +123,17 @@ class PrefixCache:
             added += 1
         return added
 
+    def checksum(self, page: int, compute: Callable[[int], int]) -> int:
+        """compute(page) — the page's KV checksum — once per stay of the page in the cache (decode
+        offers its held prefix with one per page every round: without this, each round would hash
+        the whole context again). A page not cached is computed every time."""
+        if page not in self._key_of:
+            return compute(page)
+        value = self._checksums.get(page)
+        if value is None:
+            value = self._checksums[page] = compute(page)
+        return value
+
     def clear(self) -> int:
         """Forget every entry (reset_prefix_cache): idle pages go free, held ones stay with
         their holders as ordinary pages. Returns the number of entries dropped."""
@@ -127,6 +141,7 @@ class PrefixCache:
         self.allocator.uncache_all()
         self._page_of.clear()
         self._key_of.clear()
+        self._checksums.clear()
         return n
 
     def check_integrity(self) -> None:
@@ -142,6 +157,7 @@ class PrefixCache:
 
     def _forget(self, page: int) -> None:
         key = self._key_of.pop(page, None)
+        self._checksums.pop(page, None)
         if key is not None:
             del self._page_of[key]
         self.num_evictions += 1

@@ -5,6 +5,9 @@ state (services/transfer/state.py) says where the KV transfer is — whether dec
 whether the WRITE is done — and the worker turns its terminal states into the job's outcome.
 
   QUEUED    waiting for decode's Attach, or attached and waiting for its next chunk
+  READING   attached, pages held: a NIXL READ brings the prompt pages decode holds beyond this
+            worker's own prefix-cache hit (services/transfer/reader.py); back to QUEUED when it
+            ends, bounded by --kv-read-timeout (a failed READ only means those tokens are computed)
   FORWARD   one of its chunks is in the engine (its pages are in use by the forward)
   INFLIGHT  final chunk done, first token sampled, KV WRITE posted to decode
   FINISHED  outcome delivered to the RPC; pages go back once no forward holds them
@@ -28,9 +31,10 @@ if TYPE_CHECKING:  # a type only: jobs stay free of torch
 
 class Phase(enum.IntEnum):
     QUEUED = 0
-    FORWARD = 1
-    INFLIGHT = 2
-    FINISHED = 3
+    READING = 1
+    FORWARD = 2
+    INFLIGHT = 3
+    FINISHED = 4
 
 
 class RoomFailed(Exception):
@@ -66,8 +70,9 @@ class Job:
     created_at: float = field(default_factory=time.monotonic)
     pages: list[int] | None = None  # allocated at its first chunk, held until the WRITE is done
     prefilled: int = 0  # prompt tokens whose KV is in its pages (cached or computed)
-    cached_tokens: int = 0  # of those, found in the prefix cache: its first pages are shared
+    cached_tokens: int = 0  # of those, not computed: found in the prefix cache (its first pages are shared), or READ from decode
     cache_keys: list[bytes] | None = None  # its full pages' prefix-cache keys, computed once
+    read_pages: int = 0  # READING: pages its READ brings, right after the `prefilled` ones
     first_token: int = -1
     first_logprob: float = 0.0
     first_top: list[tuple[int, float]] | None = None  # top_logprobs alternatives of the first token

@@ -43,8 +43,11 @@ async def serve(argv=None) -> None:
         kv_checksum=args.kv_checksum,
         misroute_kv=faults.misroute_kv,
         fault_seed=faults.fault_seed,
+        read_timeout=args.kv_read_timeout,
+        stall_read=faults.stall_kv_read,
     )
-    worker = PrefillWorker(engine, sender, metrics, faults, args.chunked_prefill_size)
+    worker = PrefillWorker(engine, sender, metrics, faults, args.chunked_prefill_size,
+                           read_held_prefix=args.kv_read_held_prefix)
 
     def add_servicers(server):
         wpb_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), server)

@@ -20,6 +20,13 @@ compute), then fresh pages for the rest, and computes only that rest; after each
 computed pages join the cache. Its pages are only ever written past the cached prefix, in pages
 of its own. The shared pages are let go with the job's others, when nothing reads them any more.
 
+Decode's held prefix (--kv-read-held-prefix, services/transfer/reader.py): decode's Attach names
+the prompt pages it holds (a conversation's previous prompt *and reply*, which this worker never
+saw). A job whose own hit is shorter READs the rest of them into its fresh pages, before its
+first forward (a job is scheduled only once attached, so the offer is always known by then):
+phase READING, one READ bounded by --kv-read-timeout. Verified pages join the cache and count as
+cached tokens; whatever fails, the job computes those tokens (never a failed request for it).
+
 n > 1 (services/prefill/sharing.py): jobs of one share key compute their common prompt once;
 followers wait for the leader's forward (holding no pages) or copy its KV pages into their own
 and sample their own first token from its logits. `pdmesh:prompt_tokens_total` counts the tokens
@@ -46,6 +53,7 @@ from services.engine.worker_engine import WorkerEngine
 from services.prefill.forward import Copy, PromptRows, Sample, run_batch
 from services.prefill.jobs import Job, Phase, PrefillResult, RoomFailed
 from services.prefill.sharing import Plan, ShareGroups
+from services.transfer.reader import ReadOutcome
 from services.transfer.sender import KVSender, SenderRoom
 from services.transfer.state import RoomState
 
@@ -62,8 +70,10 @@ class PrefillWorker:
         metrics: Metrics,
         faults: Faults,
         chunk_budget: int,
+        read_held_prefix: bool = True,
     ):
         self.engine = engine
+        self.read_held_prefix = read_held_prefix
         self.sender = sender
         self.metrics = metrics
         self.faults = faults
@@ -78,7 +88,8 @@ class PrefillWorker:
         sender.on_attached = lambda _room: self.kick()
         m = metrics
         m.gauge_from("num_prefill_prealloc_queue_reqs", lambda: self._count(Phase.QUEUED, RoomState.BOOTSTRAPPING))
-        m.gauge_from("num_queue_reqs", lambda: self._count(Phase.QUEUED, RoomState.WAITING_FOR_INPUT))
+        m.gauge_from("num_queue_reqs", lambda: self._count(Phase.QUEUED, RoomState.WAITING_FOR_INPUT)
+                     + self._count(Phase.READING))
         m.gauge_from("num_running_reqs", lambda: self._count(Phase.FORWARD))
         m.gauge_from("num_prefill_inflight_queue_reqs", lambda: self._count(Phase.INFLIGHT))
         m.pool_gauges(engine.pool)
@@ -94,7 +105,8 @@ class PrefillWorker:
 
     def load(self) -> tuple[int, int]:
         """(queued, running): rooms waiting for decode or the engine; rooms in a forward or inflight."""
-        return self._count(Phase.QUEUED), self._count(Phase.FORWARD) + self._count(Phase.INFLIGHT)
+        return (self._count(Phase.QUEUED) + self._count(Phase.READING),
+                self._count(Phase.FORWARD) + self._count(Phase.INFLIGHT))
 
     def forward_rooms(self) -> list[int]:
         return [j.room for j in self._forward]
@@ -216,6 +228,8 @@ class PrefillWorker:
                     self._take_pages(job, use_cache=plan is Plan.COMPUTE and job.params.prompt_logprobs is None)
                 except OutOfPages:
                     break  # later arrivals wait too: the oldest gets the pages that come back
+                if job.phase is Phase.READING:
+                    continue  # its READ brings part of its prompt first; it computes the rest after
             if plan is Plan.COPY:
                 copies.append((job, leader))
                 continue
@@ -246,6 +260,47 @@ class PrefillWorker:
         job.cached_tokens = job.prefilled = len(hit) * pool.page_size
         if cache is not None and use_cache:
             count_lookup(self.metrics, cache, len(job.token_ids), job.cached_tokens)
+            self._read_held_prefix(job, len(hit))
+
+    def _read_held_prefix(self, job: Job, hit: int) -> None:
+        """The prompt pages decode holds beyond this worker's hit of `hit` pages: READ them into
+        the job's fresh pages (phase READING until the READ ends), if decode offered them."""
+        r = self.sender.rooms.get(job.room)
+        if not self.read_held_prefix or r is None or r.attach is None:
+            return
+        # a hit leaves one prompt token to compute (its logits give the first token); decode's
+        # offer obeys the same rule, min() only guards against a peer that does not
+        stop = min(len(r.attach.held_pages), self.engine.prefix_cache.max_hit_pages(len(job.token_ids)))
+        if stop <= hit:
+            return
+        job.phase = Phase.READING
+        job.read_pages = stop - hit
+        outcome = self.sender.start_read(job.room, job.pages[hit:stop], hit, lambda o: self._on_read_end(job, o))
+        if outcome is not None:
+            self._on_read_end(job, outcome)
+
+    def _on_read_end(self, job: Job, outcome: ReadOutcome) -> None:
+        """The READ ended and NIXL let go of its handle: the pages are the job's own again."""
+        if job.finished:
+            return
+        job.phase = Phase.QUEUED
+        page_size = self.engine.pool.page_size
+        start = job.prefilled // page_size
+        stop = start + job.read_pages
+        m = self.metrics
+        if outcome.ok:
+            self.engine.prefix_cache.insert(job.token_ids, job.pages, stop, job.cache_keys)
+            job.prefilled = job.cached_tokens = stop * page_size
+            m.inc(m.kv_read_pages, outcome.pages)
+            m.inc(m.kv_read_bytes, outcome.nbytes)
+            m.observe(m.kv_read_latency, outcome.seconds)
+        else:
+            m.inc(m.kv_read_failures, reason=outcome.reason)
+            with bound_room(job.room):
+                log.warning("READ of decode's held prefix failed; computing those tokens", reason=outcome.reason,
+                            detail=outcome.detail, pages=outcome.pages, seconds=round(outcome.seconds, 3))
+        job.read_pages = 0
+        self.kick()
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached page (reset_prefix_cache); pages running jobs hold stay theirs.

@@ -118,7 +118,7 @@ class KVBootstrapServicer(pb_grpc.KVBootstrapServicer):
         try:
             self.sender.attach(
                 request.room, request.agent_name, request.epoch, list(request.dst_pages), request.dst_aux_slot,
-                request.skip_pages,
+                request.skip_pages, list(request.held_pages), list(request.held_checksums),
             )
         except BootstrapRejected as e:
             await self._rejected(context, e)
@@ -245,6 +245,8 @@ class BootstrapClient:
                 dst_pages=p.dst_pages,
                 dst_aux_slot=p.dst_aux_slot,
                 skip_pages=p.skip_pages,
+                held_pages=p.held_pages,
+                held_checksums=p.held_checksums,
             ),
         )
         return reply.sender_agent_name, reply.sender_epoch
@@ -354,12 +356,14 @@ class KVReceiveCoordinator:
         """Register again on the next attach (prefill restarted or dropped this agent)."""
         self._registered.pop(address, None)
 
-    async def attach(self, room: int, address: str, dst_pages: list[int], skip_pages: int = 0) -> bool:
+    async def attach(self, room: int, address: str, dst_pages: list[int], skip_pages: int = 0,
+                     held_pages: list[int] = ()) -> bool:
         """Attach a room created with receiver.create_room(room, address); `skip_pages` leading
-        prompt pages are held here already and not sent. On any failure the room is failed
-        (reason in room.reason) and False returned."""
+        prompt pages are held here already and not sent; `held_pages` (their ids, or empty)
+        offers them for prefill's READ. On any failure the room is failed (reason in
+        room.reason) and False returned."""
         try:
-            params = self.receiver.prepare_attach(room, dst_pages, skip_pages)
+            params = self.receiver.prepare_attach(room, dst_pages, skip_pages, held_pages)
         except Exception as e:
             self.receiver.fail(room, f"cannot attach: {e}")
             return False

@@ -186,29 +186,41 @@ class NixlAgent:
         remote_device: int,
         notif: bytes = b"",
     ) -> tuple[Xfer, str]:
-        """Build and post a WRITE of descs to peer. Returns (xfer, "DONE" | "PROC").
+        """Build and post a WRITE of descs (src: local, dst: the peer's) to peer. Returns
+        (xfer, "DONE" | "PROC"). Raises NixlError (the xfer is then already released)."""
+        return self._post("WRITE", peer, descs, kind, local_device, remote_device, notif)
 
-        Raises NixlError (the xfer is then already released)."""
+    def post_read(
+        self, peer: str, descs: list[Desc], kind: MemoryKind, local_device: int, remote_device: int
+    ) -> tuple[Xfer, str]:
+        """Build and post a READ of the peer's memory into ours: each desc's dst_addr is the
+        peer's, its src_addr the local range the bytes land in (the same pairing as a WRITE, the
+        other way round). No notification: the peer is not told. Returns (xfer, "DONE" | "PROC");
+        raises NixlError (the xfer is then already released)."""
+        return self._post("READ", peer, descs, kind, local_device, remote_device, b"")
+
+    def _post(self, op: str, peer: str, descs: list[Desc], kind: MemoryKind, local_device: int,
+              remote_device: int, notif: bytes) -> tuple[Xfer, str]:
         if peer not in self._peers:
             raise NixlError(f"peer {peer} is not loaded (never registered, or replaced/removed)")
         if not descs:
             raise NixlError("empty transfer")
         try:
-            src = self._dlist([(d.src_addr, d.nbytes) for d in descs], kind, local_device)
-            dst = self._dlist([(d.dst_addr, d.nbytes) for d in descs], kind, remote_device)
-            handle = self._agent.initialize_xfer("WRITE", src, dst, peer, notif)
+            local = self._dlist([(d.src_addr, d.nbytes) for d in descs], kind, local_device)
+            remote = self._dlist([(d.dst_addr, d.nbytes) for d in descs], kind, remote_device)
+            handle = self._agent.initialize_xfer(op, local, remote, peer, notif)
         except Exception as e:
-            raise _wrap(f"initialize_xfer to {peer}", e) from e
+            raise _wrap(f"initialize_xfer ({op}) with {peer}", e) from e
         x = Xfer(handle, peer, sum(d.nbytes for d in descs), len(descs))
         self._live.add(x)
         try:
             st = self._agent.transfer(handle)
         except Exception as e:
             self.release(x)
-            raise _wrap(f"posting a WRITE to {peer}", e) from e
+            raise _wrap(f"posting a {op} with {peer}", e) from e
         if st == "ERR":
             self.release(x)
-            raise NixlError(f"posting a WRITE to {peer} returned ERR")
+            raise NixlError(f"posting a {op} with {peer} returned ERR")
         return x, st
 
     def check(self, x: Xfer) -> str:

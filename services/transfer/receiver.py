@@ -23,11 +23,12 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.common.logging_setup import get_logger
 from services.transfer.kv_checksum import NONE as NO_CHECKSUM
 from services.transfer.kv_checksum import kv_checksum
+from services.transfer.reader import page_checksum
 from services.transfer.state import Clock, Room, RoomState, RoomTable
 from services.transfer.wire_format import (
     AUX_CHECKSUM,
@@ -49,6 +50,9 @@ class AttachParams:
     dst_pages: list[int]
     dst_aux_slot: int
     skip_pages: int = 0  # leading prompt pages decode holds already: prefill sends the rest
+    # their ids, offered for prefill's READ (empty: not offered), and each one's KV checksum
+    held_pages: list[int] = field(default_factory=list)
+    held_checksums: list[int] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -80,6 +84,7 @@ class KVReceiver:
         verify_checksum: bool = False,
         corrupt_kv: float = 0.0,
         fault_seed: int = 0,
+        corrupt_kv_read: bool = False,
     ):
         """agent: NixlAgent of this process; pool: KVPool (uses .aux and .aux_allocator, and
         .page_run_bytes to verify the KV checksum)."""
@@ -92,6 +97,15 @@ class KVReceiver:
         self._fault_rng = random.Random(fault_seed)
         if corrupt_kv:
             log.warning("FAULT INJECTION ON: KV receiver corrupts a room's KV", probability=corrupt_kv)
+        # TEST-ONLY fault knob: the checksum of the last held page an Attach offers is wrong (a READ
+        # always takes the last: prefill reads from the end of its own hit on),
+        # so prefill's READ of it fails verification and prefill computes those tokens itself
+        self.corrupt_kv_read = corrupt_kv_read
+        if corrupt_kv_read:
+            log.warning("FAULT INJECTION ON: held-page checksums in Attach are wrong")
+        # remembers a cached page's checksum while it stays cached (the decode worker sets its
+        # PrefixCache here): an offered page is hashed once, not once per round
+        self.checksum_memo = None
         self.agent = agent
         self.pool = pool
         self.clock = clock
@@ -113,8 +127,12 @@ class KVReceiver:
         """Raises DuplicateRoom for a live or finished room id."""
         return self.rooms.add(ReceiverRoom(room, self.clock(), peer=peer))
 
-    def prepare_attach(self, room: int, dst_pages: list[int], skip_pages: int = 0) -> AttachParams:
-        """Record the destination pages (allocated by the worker) and take an aux slot."""
+    def prepare_attach(self, room: int, dst_pages: list[int], skip_pages: int = 0,
+                       held_pages: list[int] = ()) -> AttachParams:
+        """Record the destination pages (allocated by the worker) and take an aux slot. Held
+        pages offered for a READ get a KV checksum each (with verify_checksum on): they are
+        complete, shared, read-only cache pages, so their bytes do not change while the room
+        holds them; prefill compares what its READ brought."""
         r = self.rooms.get(room)
         if r is None or r.state != RoomState.BOOTSTRAPPING:
             raise ValueError(f"room {room} cannot attach ({'unknown' if r is None else r.state.label})")
@@ -125,7 +143,18 @@ class KVReceiver:
         r.dst_pages = list(dst_pages)
         r.early = []
         self.wakeup()  # poll notifications from now on (one may beat the attach reply)
-        return AttachParams(room, self.agent_name, self.epoch, list(dst_pages), r.aux_slot, skip_pages)
+        checksums = [self._held_checksum(p) for p in held_pages] if self.verify_checksum else []
+        if checksums and self.corrupt_kv_read:
+            checksums[-1] ^= 1
+            log.warning("FAULT: held-page checksum corrupted in Attach", room=room, page=held_pages[-1])
+        return AttachParams(room, self.agent_name, self.epoch, list(dst_pages), r.aux_slot, skip_pages,
+                            list(held_pages), checksums)
+
+    def _held_checksum(self, page: int) -> int:
+        def compute(p: int) -> int:
+            return page_checksum(self.pool.page_run_bytes, p)
+
+        return compute(page) if self.checksum_memo is None else self.checksum_memo.checksum(page, compute)
 
     def mark_attached(self, room: int, sender_agent: str, sender_epoch: int) -> bool:
         """The Attach RPC succeeded -> WaitingForInput. False if the room is gone or terminal."""

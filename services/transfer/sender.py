@@ -34,6 +34,7 @@ from typing import Any
 from services.common.logging_setup import get_logger
 from services.transfer.descriptors import Desc, page_descs
 from services.transfer.kv_checksum import kv_checksum
+from services.transfer.reader import KVReader, ReadOutcome
 from services.transfer.state import Clock, DuplicateRoom, Room, RoomState, RoomTable
 from services.transfer.wire_format import (
     AUX_CHECKSUM,
@@ -83,6 +84,10 @@ class AttachInfo:
     dst_aux_slot: int
     at: float
     skip_pages: int = 0  # leading source pages decode holds already: not sent
+    # decode's ids of those pages, when it offers them for a READ (services/transfer/reader.py),
+    # and their KV checksums (empty: none computed)
+    held_pages: tuple[int, ...] = ()
+    held_checksums: tuple[int, ...] = ()
 
 
 @dataclass(eq=False)
@@ -138,6 +143,8 @@ class KVSender:
         misroute_kv: float = 0.0,
         fault_seed: int = 0,
         tombstones: int = 65536,
+        read_timeout: float = 5.0,
+        stall_read: bool = False,
     ):
         """agent: NixlAgent of this process; pool: KVPool (uses .aux and .aux_allocator).
 
@@ -182,6 +189,8 @@ class KVSender:
         self.wakeup: Callable[[], None] = lambda: None  # set by the poller
         self.stats = {"success": 0, "failed": 0, "bytes": 0, "peers_replaced": 0, "peers_dropped": 0}
         self._deferred: dict[int, _Deferred] = {}  # room -> handles NIXL has not released yet
+        # READs of decode's held prefix pages (one per room at most), bounded by read_timeout
+        self.reader = KVReader(agent, pool, clock=clock, timeout=read_timeout, stall=stall_read)
 
     # --- identity -----------------------------------------------------------------------
     @property
@@ -269,8 +278,9 @@ class KVSender:
         return r
 
     def attach(self, room: int, agent_name: str, epoch: int, dst_pages: list[int], dst_aux_slot: int,
-               skip_pages: int = 0) -> None:
-        """decode's Attach; decode holds the first `skip_pages` pages already. Raises BootstrapRejected."""
+               skip_pages: int = 0, held_pages: list[int] = (), held_checksums: list[int] = ()) -> None:
+        """decode's Attach; decode holds the first `skip_pages` pages already, and offers their
+        ids for a READ in `held_pages` (empty: not offered). Raises BootstrapRejected."""
         if self.refuse_attach:
             raise _reject("fault", "UNAVAILABLE", "fault injection: fail_attach")
         peer = self._peers.get(agent_name)
@@ -293,7 +303,19 @@ class KVSender:
             raise _reject("bad-request", "INVALID_ARGUMENT", f"invalid aux slot {dst_aux_slot}")
         if not 0 <= skip_pages <= peer.layout.num_pages:
             raise _reject("bad-request", "INVALID_ARGUMENT", f"invalid skip_pages {skip_pages}")
-        info = AttachInfo(agent_name, epoch, tuple(dst_pages), dst_aux_slot, self.clock(), skip_pages)
+        if held_pages:
+            bad = [p for p in held_pages if not 0 <= p < peer.layout.num_pages]
+            if len(held_pages) != skip_pages or bad or len(set(held_pages)) != len(held_pages):
+                raise _reject("bad-request", "INVALID_ARGUMENT",
+                              f"held_pages must name the {skip_pages} skipped pages once each, in range "
+                              f"(got {len(held_pages)}{', invalid ' + str(bad[:8]) if bad else ''})")
+            if set(held_pages) & set(dst_pages):
+                raise _reject("bad-request", "INVALID_ARGUMENT", "held_pages and dst_pages overlap")
+        if held_checksums and len(held_checksums) != len(held_pages):
+            raise _reject("bad-request", "INVALID_ARGUMENT",
+                          f"{len(held_checksums)} held checksums for {len(held_pages)} held pages")
+        info = AttachInfo(agent_name, epoch, tuple(dst_pages), dst_aux_slot, self.clock(), skip_pages,
+                          tuple(held_pages), tuple(held_checksums))
         r = self.rooms.get(room)
         if r is None:
             outcome = self.rooms.outcome(room)
@@ -387,6 +409,28 @@ class KVSender:
         self.wakeup()
         return True
 
+    def start_read(self, room: int, local_pages: list[int], first: int, on_end: Callable[[ReadOutcome], None]
+                   ) -> ReadOutcome | None:
+        """READ decode's held pages first.. first+len(local_pages)-1 of an attached room into
+        local_pages (services/transfer/reader.py). None: posted, on_end(outcome) follows once its
+        handle is released; else its outcome now (failed to post, or done at once)."""
+        r = self.rooms.get(room)
+        if r is None or r.state != RoomState.WAITING_FOR_INPUT or r.attach is None:
+            raise ValueError(f"room {room} is not attached and waiting")
+        a = r.attach
+        last = first + len(local_pages)
+        if not 0 <= first < last <= len(a.held_pages):
+            raise ValueError(f"READ of held pages {first}..{last - 1}; decode offered {len(a.held_pages)}")
+        peer = self._peers.get(a.agent_name)
+        if peer is None or peer.epoch != a.epoch:
+            return ReadOutcome(False, len(local_pages), 0, 0.0, "error", f"decode agent {a.agent_name} is gone")
+        checksums = a.held_checksums[first:last] if a.held_checksums else ()
+        outcome = self.reader.start(room, a.agent_name, peer.layout, self.layout, local_pages,
+                                    a.held_pages[first:last], checksums, on_end)
+        if outcome is None:
+            self.wakeup()
+        return outcome
+
     def _post_next(self, r: SenderRoom) -> None:
         st = r.stages.pop(0)
         try:
@@ -451,6 +495,7 @@ class KVSender:
                 self._stage_done(r)
             if r.state == RoomState.TRANSFERRING:
                 busy += 1
+        busy += self.reader.poll()
         self.agent.retry_releases()
         if now < self._flush_until:
             self.agent.progress()
@@ -551,8 +596,13 @@ class KVSender:
         return True
 
     def _finish(self, r: SenderRoom) -> None:
-        """Terminal: release NIXL handle and aux slot, tell the owner."""
+        """Terminal: release NIXL handles (the WRITE's, a READ's) and aux slot, tell the owner."""
         self._release_handle(r)
+        read = self.reader.cancel(r.room)
+        if read is not None:  # the READ may still land in the room's pages: they wait for it
+            self._deferred.setdefault(r.room, _Deferred(self.clock())).handles.append(read)
+            log.warning("NIXL refused to release a READ handle; the room's pages stay held until a sweep releases it",
+                        room=r.room, error=getattr(read, "release_error", "") or "still active")
         r.stages = []
         if r.aux_slot is not None:
             self.pool.aux_allocator.free([r.aux_slot], owner=("kv-send", r.room))

@@ -15,8 +15,9 @@ from enum import StrEnum
 
 # Bump on any change to bootstrap.proto, to the notification format or to the aux row layout.
 # 2: AbortReply.quiesced, HeartbeatReply.forward_age_seconds; 3: AttachRequest.skip_pages, aux AUX_CACHED;
-# 4: aux AUX_SENT_PAGES, AUX_CHECKSUM (the KV checksum, services/transfer/kv_checksum.py)
-PROTOCOL_VERSION = 4
+# 4: aux AUX_SENT_PAGES, AUX_CHECKSUM (the KV checksum, services/transfer/kv_checksum.py);
+# 5: AttachRequest.held_pages, held_checksums (prefill READs decode's held prefix pages)
+PROTOCOL_VERSION = 5
 
 # aux row words (int64), mirrored from services/engine/kv_pool.py (kept equal by a unit test).
 AUX_ROOM, AUX_TOKEN, AUX_LOGPROB_BITS, AUX_EPOCH, AUX_CACHED, AUX_SENT_PAGES, AUX_CHECKSUM = 0, 1, 2, 3, 4, 5, 6

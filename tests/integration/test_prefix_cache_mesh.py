@@ -1,8 +1,11 @@
 """The prefix cache through the real mesh (router, prefill, decode; real gRPC, HTTP and NIXL):
 a 16-round conversation growing to ~2,000 tokens, greedy and seeded, streamed and not, must produce exactly
 what single-process generation does, with the cache warm, after POST /reset_prefix_cache, and
-on workers started with --prefix-cache off; from round 2 on prefill computes only what it has
-not cached, the KV moved is only the pages decode lacks, and usage reports the cached tokens."""
+on workers started with --prefix-cache off; from round 2 on prefill computes only the round's new
+tokens (plus at most one page): what its own cache lacks of the previous prompt and reply it READs
+from the pages decode holds (--kv-read-held-prefix), the KV moved is only the pages decode lacks,
+and usage reports the cached tokens. With the READ off, or failing (a wrong checksum, a READ that
+never answers), prefill computes the reply again and the output stays the same."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from services.engine.kv_pool import KVPool
 from services.engine.loader import load_model
 from services.engine.local_generate import generate_full
 from tests.integration.http_client import post_json, stream_events
-from tests.integration.mesh import Mesh, wait_for
+from tests.integration.mesh import Mesh, labelled_samples, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -65,43 +68,100 @@ def decode_text(ids):
     return TOK.decode(ids)
 
 
+def delta(after, before, name):
+    return after.get(name, 0) - before.get(name, 0)
+
+
+REPLY = 8  # tokens generated per round
+
+
+def converse(r, p, reference_model, n_rounds, read=True, seed=11):
+    """A conversation of n_rounds (prompts as token ids: the reply's ids come back unchanged, as
+    the router's own tokens would), each round checked against single-process generation and
+    against the prefill and transfer bounds. Returns per round (prompt tokens, computed by
+    prefill, KV bytes moved, cached tokens in usage, pages READ)."""
+    rng = random.Random(seed)
+    page_nbytes = KVPool(reference_model.config, 1, P).page_nbytes
+    history = [rng.randrange(3, 256) for _ in range(90)]
+    rounds = []
+    for i in range(n_rounds):
+        seed_i = None if i % 2 == 0 else 100 + i
+        params = SamplingParams(temperature=0.8 if seed_i is not None else 0.0, seed=seed_i, max_tokens=REPLY,
+                                ignore_eos=True)
+        ref = reference(reference_model, history, params)
+        before = p.metrics()
+        text, usage = generated_text(r, history, REPLY, seed_i, stream=i % 2 == 1)
+        after = p.metrics()
+        assert text == decode_text(ref), f"round {i + 1}"
+        computed = delta(after, before, "pdmesh:prompt_tokens_total")
+        moved = delta(after, before, "pdmesh:kv_transfer_bytes_sum")
+        read_pages = delta(after, before, "pdmesh:kv_read_pages_total")
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        rounds.append((len(history), computed, moved, cached, read_pages))
+        if i:
+            prev_len = rounds[i - 1][0]
+            new = len(history) - prev_len - REPLY  # beyond the previous prompt and reply
+            held = (prev_len + REPLY - 1) // P  # decode cached prompt + reply but the last token
+            if read:
+                # prefill has the previous prompt's full pages; decode's held pages bring the rest
+                # of the previous prompt and the reply: it computes the new tokens + at most a page
+                assert computed <= new + P, f"round {i + 1}: computed {computed}, new {new}"
+                assert read_pages == held - prev_len // P and cached == held * P
+            else:
+                # prefill computes what it does not hold: the previous prompt's partial page, the
+                # reply (decode made it; prefill never saw it) and the new tokens
+                assert computed <= len(history) - (prev_len // P) * P
+                assert cached == (prev_len // P) * P and read_pages == 0
+            # decode kept the previous prompt and reply: only the pages after them move (+ aux row)
+            assert moved <= (-(-len(history) // P) - held) * page_nbytes + 64
+            assert moved <= (-(-new // P) + 1) * page_nbytes + 64  # the new tokens' pages + 1
+        else:
+            assert computed == len(history) and cached == 0 and read_pages == 0
+        history = history + ref + [rng.randrange(3, 256) for _ in range(120)]
+    return rounds
+
+
 # 16 rounds grow to ~2,000 tokens (make long-test); make test's short form stops at 8 (~1,000),
 # the same checks on every round: the reference model recomputes the whole history each round.
 @pytest.mark.parametrize("n_rounds", [8, pytest.param(16, marks=pytest.mark.long)])
 def test_a_growing_conversation_reuses_its_prefix_and_matches_single_process(mesh, reference_model, n_rounds):
     m, p, d, r = mesh
-    rng = random.Random(11)
-    page_nbytes = KVPool(reference_model.config, 1, P).page_nbytes
-    history = [rng.randrange(3, 256) for _ in range(90)]
-    rounds = []
-    for i in range(n_rounds):
-        seed = None if i % 2 == 0 else 100 + i
-        params = SamplingParams(temperature=0.8 if seed is not None else 0.0, seed=seed, max_tokens=8, ignore_eos=True)
-        ref = reference(reference_model, history, params)
-        before_p, before_d = p.metrics(), d.metrics()
-        text, usage = generated_text(r, history, 8, seed, stream=i % 2 == 1)
-        after_p = p.metrics()
-        assert text == decode_text(ref), f"round {i + 1}"
-        computed = after_p["pdmesh:prompt_tokens_total"] - before_p.get("pdmesh:prompt_tokens_total", 0)
-        moved = after_p["pdmesh:kv_transfer_bytes_sum"] - before_p.get("pdmesh:kv_transfer_bytes_sum", 0)
-        rounds.append((len(history), computed, moved, usage["prompt_tokens_details"]["cached_tokens"], before_d))
-        if i:
-            prev_len = rounds[i - 1][0]
-            # prefill computes what it does not hold: the previous prompt's partial page, the
-            # reply (decode made it; prefill never saw it) and the new tokens
-            assert computed <= len(history) - (prev_len // P) * P
-            assert usage["prompt_tokens_details"]["cached_tokens"] == (prev_len // P) * P
-            # decode kept the previous prompt and reply: only the pages after them move (+ aux row)
-            held = (prev_len + 8 - 1) // P
-            assert moved <= (-(-len(history) // P) - held) * page_nbytes + 64
-            new = len(history) - prev_len - 8  # beyond the previous prompt and reply
-            assert moved <= (-(-new // P) + 1) * page_nbytes + 64  # the new tokens' pages + 1
-        else:
-            assert computed == len(history) and usage["prompt_tokens_details"]["cached_tokens"] == 0
-        history = history + ref + [rng.randrange(3, 256) for _ in range(120)]
+    reads_before = p.metrics()
+    rounds = converse(r, p, reference_model, n_rounds, seed=11 + n_rounds)  # its own history: nothing cached yet
+    after = p.metrics()
+    print("rounds (prompt tokens, computed, KV bytes, cached, pages read):", rounds)
+    assert delta(after, reads_before, "pdmesh:kv_read_pages_total") == sum(x[4] for x in rounds) > 0
+    assert delta(after, reads_before, "pdmesh:kv_read_failures_total") == 0
     md = d.metrics()
     assert md["pdmesh:prefix_cache_hits_total"] > 0 and md["pdmesh:prefix_cache_pages"] > 0
     assert p.metrics()["pdmesh:cache_hit_rate"] > 0
+    m.assert_invariants()
+
+
+def test_a_reply_that_comes_back_different_is_read_up_to_its_first_differing_page(mesh, reference_model):
+    """A client's harness re-tokenizes the reply, and the ids may differ from those generated:
+    decode's chain keys then miss from the page holding the first difference, so decode holds,
+    and prefill READs, only the pages before it; what follows is computed, and the output is
+    that of the prompt as sent."""
+    m, p, d, r = mesh
+    rng = random.Random(5)
+    history = [rng.randrange(3, 256) for _ in range(90)]  # 5 full pages + 10 tokens
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    reply = reference(reference_model, history, greedy)
+    assert generated_text(r, history, 40)[0] == decode_text(reply)
+    # decode cached prompt + reply but its last token: (90 + 39) // 16 = 8 pages. The reply comes
+    # back with its 31st id changed: position 120, in page 7, so decode's hit stops at 7 pages
+    changed = list(reply)
+    changed[30] = 3 if changed[30] != 3 else 4
+    prompt = history + changed + [rng.randrange(3, 256) for _ in range(30)]
+    params = SamplingParams(temperature=0.0, max_tokens=REPLY, ignore_eos=True)
+    before = p.metrics()
+    text, usage = generated_text(r, prompt, REPLY)
+    after = p.metrics()
+    assert text == decode_text(reference(reference_model, prompt, params))
+    assert delta(after, before, "pdmesh:kv_read_pages_total") == 7 - 90 // P  # pages 5 and 6
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 7 * P
+    assert delta(after, before, "pdmesh:prompt_tokens_total") == len(prompt) - 7 * P
     m.assert_invariants()
 
 
@@ -140,5 +200,43 @@ def test_with_the_cache_off_nothing_is_reused_and_output_is_the_same(tmp_path, r
         resp = httpx.post(r.http_url + "/reset_prefix_cache", timeout=10)
         assert resp.status_code == 200 and not any(w["prefix_cache"] for w in resp.json()["workers"])
         m.assert_invariants()
+    finally:
+        m.close()
+
+
+def read_failures(p) -> dict[str, float]:
+    text = httpx.get(p.http_url + "/metrics", timeout=5).text
+    return {s["reason"]: v for s, v in labelled_samples(text, "pdmesh:kv_read_failures_total")}
+
+
+def test_with_the_read_off_prefill_computes_the_reply_and_output_is_the_same(tmp_path, reference_model):
+    m = Mesh(tmp_path)
+    try:
+        (p,), (d,) = m.start_workers(1, 1, ("--kv-read-held-prefix", "off"), ("--kv-read-held-prefix", "off"))
+        r = m.start_router([p], [d], "--local-prefill-max-tokens", "0")
+        converse(r, p, reference_model, 3, read=False)
+        assert p.metrics()["pdmesh:kv_read_pages_total"] == 0
+        m.assert_invariants()
+    finally:
+        m.close()
+
+
+# A READ that fails falls back to computing: a wrong checksum in decode's offer (corrupt_kv_read),
+# a READ never checked until its deadline (stall_kv_read, as one from a frozen decode).
+@pytest.mark.parametrize("fault,prefill_args,decode_args", [
+    pytest.param("checksum", (), ("--faults", "corrupt_kv_read"), marks=pytest.mark.long),
+    ("timeout", ("--faults", "stall_kv_read", "--kv-read-timeout", "0.3"), ()),
+])
+def test_a_failed_read_falls_back_to_computing_and_output_is_the_same(tmp_path, reference_model, fault,
+                                                                       prefill_args, decode_args):
+    m = Mesh(tmp_path)
+    try:
+        (p,), (d,) = m.start_workers(1, 1, prefill_args, decode_args)
+        r = m.start_router([p], [d], "--local-prefill-max-tokens", "0")
+        converse(r, p, reference_model, 3, read=False)  # the bounds of no READ: it gave nothing
+        assert read_failures(p)[fault] == 2  # rounds 2 and 3 each tried once
+        assert p.metrics()["pdmesh:kv_read_pages_total"] == 0
+        assert "READ of decode's held prefix failed" in p.log()
+        m.assert_invariants(nixl=True)
     finally:
         m.close()

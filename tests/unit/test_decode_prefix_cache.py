@@ -1,6 +1,8 @@
 """Decode with the prefix cache, on the random built-in model with a fake prefill side: a
 finished request's full pages stay cached, the next round attaches naming only its fresh pages
-(skip_pages), a request that ends before its KV arrived quarantines only those fresh pages, a
+(skip_pages) and offers the held ones for prefill's READ, a request that ends before its KV
+arrived quarantines the pages prefill may still touch (the fresh ones it was named, and the held
+ones it was offered; only the fresh ones when nothing is offered), a
 colocated request computes from the end of its hit, and after everything ends every page is
 free or cached with no holder."""
 
@@ -36,10 +38,12 @@ class FakeCoordinator:
     def __init__(self, receiver):
         self.receiver = receiver
         self.attached: dict[int, tuple[list[int], int]] = {}
+        self.offered: dict[int, list[int]] = {}
         self.aborted: list[int] = []
 
-    async def attach(self, room, address, dst_pages, skip_pages=0):
+    async def attach(self, room, address, dst_pages, skip_pages=0, held_pages=()):
         self.attached[room] = (list(dst_pages), skip_pages)
+        self.offered[room] = list(held_pages)
         return True
 
     def prefill_generation(self, address):
@@ -100,6 +104,7 @@ def test_a_finished_round_stays_cached_and_the_next_attaches_for_the_delta_only(
         assert skip == 2 and second.cached_tokens == 32
         assert second.pages[:2] == first_pages[:2] and dst == second.pages[2:5]
         assert all(not engine.pool.allocator.is_cached(p) for p in dst)  # only fresh pages are named
+        assert worker.coordinator.offered[2] == first_pages[:2]  # the held prefix, offered for a READ
         arrive(worker, second, cached_tokens=32)
         assert second.usage_cached_tokens == 32 and second.phase is Phase.RUNNING
         worker.abort(2, "client done")
@@ -110,7 +115,10 @@ def test_a_finished_round_stays_cached_and_the_next_attaches_for_the_delta_only(
     asyncio.run(go())
 
 
-def test_a_room_that_ends_awaiting_its_kv_quarantines_only_its_fresh_pages(worker, engine):
+@pytest.mark.parametrize("offer", [True, False])
+def test_a_room_that_ends_awaiting_its_kv_quarantines_what_prefill_may_touch(worker, engine, offer):
+    worker.offer_held_prefix = offer
+
     async def go():
         first = await admitted(worker, 1, PROMPT)
         arrive(worker, first)
@@ -118,10 +126,15 @@ def test_a_room_that_ends_awaiting_its_kv_quarantines_only_its_fresh_pages(worke
         shared = list(engine.prefix_cache.match(NEXT))
         second = await admitted(worker, 2, NEXT)
         assert second.phase is Phase.AWAITING_KV and second.pages[:2] == shared
+        second_fresh = second.pages[2:5]
         worker.abort(2, "client went away")  # prefill may still WRITE into the named pages
         held = worker.admission._quarantine.held.get(2)
-        assert held is not None and set(held.pages).isdisjoint(shared)
-        assert all(engine.pool.allocator.holders_of(p) == set() for p in shared)  # let go at once
+        assert held is not None and held.pages[-3:] == second_fresh
+        if offer:  # prefill may be READing the held prefix: a recycled page would feed it other KV
+            assert held.pages[:2] == shared and all(engine.pool.allocator.holders_of(p) == {2} for p in shared)
+        else:
+            assert set(held.pages).isdisjoint(shared)
+            assert all(engine.pool.allocator.holders_of(p) == set() for p in shared)  # let go at once
         for _ in range(100):
             if not worker.admission.has_quarantine:
                 break

@@ -91,7 +91,7 @@ class FakeSender:
         self.on_terminal = self.on_attached = None
 
     def create_room(self, room):
-        self.rooms[room] = SimpleNamespace(state=RoomState.WAITING_FOR_INPUT)
+        self.rooms[room] = SimpleNamespace(state=RoomState.WAITING_FOR_INPUT, attach=None)  # no held prefix offered
 
     def abort(self, room, reason):
         return room in self.rooms

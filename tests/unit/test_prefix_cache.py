@@ -112,3 +112,29 @@ def test_integrity_catches_a_key_without_a_cached_page(cache):
     cache._key_of.clear()
     cache._page_of.clear()
     cache.allocator.free(pages, "a")
+
+
+def test_a_cached_pages_checksum_is_computed_once_while_it_stays_cached():
+    alloc = PageAllocator(4)
+    cache = PrefixCache(alloc, 2)
+    pages = alloc.alloc(2, owner="r")
+    cache.insert([1, 2, 3, 4], pages, 2)
+    calls = []
+
+    def compute(p):
+        calls.append(p)
+        return 100 + p + len(calls)
+
+    first = cache.checksum(pages[0], compute)
+    assert cache.checksum(pages[0], compute) == first and calls == [pages[0]]
+    other = alloc.alloc(1, owner="s")[0]  # not cached: computed each time
+    cache.checksum(other, compute), cache.checksum(other, compute)
+    assert calls.count(other) == 2
+    alloc.free(pages, owner="r")
+    alloc.free([other], owner="s")
+    alloc.alloc(4, owner="t")  # evicts both cached pages: their bytes may change now
+    cache.insert([5, 6, 7, 8], alloc.pages_of("t")[:2], 2)
+    assert cache.checksum(pages[0], compute) != first and calls.count(pages[0]) == 2
+    cache.clear()
+    cache.checksum(pages[0], compute)
+    assert calls.count(pages[0]) == 3

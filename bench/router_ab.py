@@ -17,31 +17,25 @@ import asyncio
 import json
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-import httpx  # noqa: E402
-
 from bench.router_overhead import ViaRouter, throughput  # noqa: E402
 from services.launch.launcher import Launcher  # noqa: E402
-from services.launch.ports import free_port  # noqa: E402
-from services.launch.probes import wait_for  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-async def one_run(tree: pathlib.Path, fp: str, fd: str, args, log: pathlib.Path) -> float:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "services.router", "--port", str(port), "--prefill", fp,
-                             "--decode", fd, "--log-level", "warning"], cwd=tree,
-                            stdout=log.open("ab"), stderr=subprocess.STDOUT)
+async def one_run(tree: pathlib.Path, fp: str, fd: str, args, log_dir: pathlib.Path) -> float:
+    """The router of source tree `tree` in front of the fakes, started by services/launch from
+    that tree, measured, stopped."""
+    log_dir.mkdir()
+    launcher = Launcher(log_dir=log_dir)
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: httpx.get(url + "/health", timeout=2).status_code == 200, 60, f"router of {tree}")
-        client = ViaRouter(url, args.concurrency)
+        router = launcher.start_router([fp], [fd], "--log-level", "warning", cwd=tree)
+        client = ViaRouter(router.http_url, args.concurrency)
         ids = [1] + [(7 * i) % 256 for i in range(args.prompt_tokens - 1)]
         try:
             await throughput(client.one, ids, args.max_tokens, args.concurrency, 1.0)  # warm-up
@@ -52,8 +46,7 @@ async def one_run(tree: pathlib.Path, fp: str, fd: str, args, log: pathlib.Path)
             raise RuntimeError(f"{out['errors']} failed requests through the router of {tree}")
         return out["rps"]
     finally:
-        proc.kill()
-        proc.wait(10)
+        launcher.stop()
 
 
 async def main_async(args) -> dict:
@@ -64,9 +57,9 @@ async def main_async(args) -> dict:
         _, fp, fd = fakes.start_fake_workers()
         try:
             rps: dict[str, list[float]] = {"old": [], "new": []}
-            for _ in range(args.rounds):  # alternating, so drift hits both alike
-                rps["old"].append(await one_run(old, fp, fd, args, tmp / "old.log"))
-                rps["new"].append(await one_run(ROOT, fp, fd, args, tmp / "new.log"))
+            for i in range(args.rounds):  # alternating, so drift hits both alike
+                rps["old"].append(await one_run(old, fp, fd, args, tmp / f"old-{i}"))
+                rps["new"].append(await one_run(ROOT, fp, fd, args, tmp / f"new-{i}"))
         finally:
             fakes.stop()
     med = {k: statistics.median(v) for k, v in rps.items()}

@@ -2,7 +2,7 @@
 mid-load (streams migrate), a prefill that stalls its KV transfers for 20 s, longer than the
 router's 15 s request deadline (its watchdog evicts them and the router fails over), and a
 decode frozen past the deadlines, while two multi-round conversations keep the workers' prefix
-caches warm. Every invariant of tests/chaos/soak.py must hold, with zero failed requests. The same run fails with
+caches warm. Every invariant of chaos/soak.py must hold, with zero failed requests. The same run fails with
 `--without migration` (streams on the killed decode end in errors) and with `--without
 watchdog` (stalled transfers hold requests until the router's deadline): docs/chaos.md."""
 
@@ -23,7 +23,7 @@ SCHEDULE = "kill:decode:0@4,inject:prefill:0:stall_transfer~20@8,freeze:decode:1
 
 @pytest.mark.timeout(400)
 def test_small_soak_loses_nothing_and_leaks_nothing(tmp_path):
-    cmd = [sys.executable, "-m", "tests.chaos.soak", "--seed", "3", "--duration", "30", "--clients", "3",
+    cmd = [sys.executable, "-m", "chaos.soak", "--seed", "3", "--duration", "30", "--clients", "3",
            "--conversations", "2", "--request-timeout", "15", "--schedule", SCHEDULE, "--out", str(tmp_path)]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=380)
     report = json.loads((tmp_path / "report-seed3.json").read_text())

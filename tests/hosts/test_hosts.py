@@ -24,8 +24,9 @@ import httpx
 import pytest
 
 from services.common.tokenizer import load_tokenizer
+from services.launch.host_mesh import HostMesh
 from services.launch.netns import NetemMissing, Topology
-from tests.hosts.launcher import ROOT, HostMesh
+from services.launch.proc import ROOT
 from tests.integration.mesh import attempts_in_log, in_background, labelled_samples, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

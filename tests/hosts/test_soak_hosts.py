@@ -1,7 +1,7 @@
 """The chaos soak in hosts mode, small: router + 2P + 2D each in its own network namespace,
 30 s of load from 3 clients and 2 conversations, with a partition both ways (prefill#0 <-x->
 decode#0, 12 s, longer than every deadline), a one-way partition (prefill#1 -x-> decode#1) and a
-decode SIGKILLed and restarted inside its namespace. Every invariant of tests/chaos/soak.py holds
+decode SIGKILLed and restarted inside its namespace. Every invariant of chaos/soak.py holds
 with zero failed requests, and no namespace of the run is left behind (docs/chaos.md, "Hosts
 mode")."""
 
@@ -23,7 +23,7 @@ SCHEDULE = "partition:0:0~12@3,kill:decode:1@17,partition:1:1:to_decode~12@21"
 
 @pytest.mark.timeout(420)
 def test_small_hosts_soak_with_partitions_loses_nothing(tmp_path):
-    cmd = [sys.executable, "-m", "tests.chaos.soak", "--hosts", "--seed", "4", "--duration", "30", "--clients", "3",
+    cmd = [sys.executable, "-m", "chaos.soak", "--hosts", "--seed", "4", "--duration", "30", "--clients", "3",
            "--conversations", "2", "--request-timeout", "20", "--schedule", SCHEDULE, "--out", str(tmp_path)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -1,4 +1,4 @@
-from tests.chaos.soak_plan import (
+from chaos.soak_plan import (
     DIRECTIONS,
     HOST_KINDS,
     INJECTIONS,

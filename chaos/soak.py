@@ -11,9 +11,9 @@ clients, faults on a seeded schedule; then the invariants (docs/chaos.md):
   6. multi-round conversations (soak_conversations.py) beside the clients: most of their rounds
      from round 2 on, away from faults, report cached prompt tokens.
 
-    python -m tests.chaos.soak --seed 1 --duration 120 --out bench/out/chaos
-    python -m tests.chaos.soak --hosts --seed 1 --duration 90   # each service in its own network
-        namespace (root; tests/hosts), plus partitions between a prefill and a decode
+    python -m chaos.soak --seed 1 --duration 120 --out bench/out/chaos
+    python -m chaos.soak --hosts --seed 1 --duration 90   # each service in its own network
+        namespace (root; services/launch/netns.py), plus partitions between a prefill and a decode
 
 Prints the JSON report (also written to OUT/report-seedN.json, with a timeline PNG beside it)
 and exits non-zero when an invariant fails.
@@ -34,11 +34,13 @@ from dataclasses import asdict
 
 import httpx
 
-from tests.chaos.soak_conversations import cache_hits, conversation_loop
-from tests.chaos.soak_load import LoadState, client_loop
-from tests.chaos.soak_plan import HOST_KINDS, KINDS, Fault, parse_schedule, plan_faults
-from tests.chaos.soak_verify import check_counts, check_outputs, scrape
-from tests.integration.mesh import QUEUE_GAUGES, Mesh, Proc, wait_for
+from chaos.soak_conversations import cache_hits, conversation_loop
+from chaos.soak_load import LoadState, client_loop
+from chaos.soak_plan import HOST_KINDS, KINDS, Fault, parse_schedule, plan_faults
+from chaos.soak_verify import check_counts, check_outputs, scrape
+from services.launch.launcher import Launcher
+from services.launch.probes import QUEUE_GAUGES, wait_for
+from services.launch.proc import Proc
 
 # The random test model: its logits are well separated, so sampled tokens do not sit on the
 # near-ties that float rounding (batch composition, prefill vs decode) can flip — invariant 2
@@ -62,10 +64,10 @@ class Soak:
     def __init__(self, args, workdir: pathlib.Path):
         self.args = args
         if args.hosts:
-            from tests.chaos.soak_hosts import HostsMesh
+            from chaos.soak_hosts import HostsMesh
             self.mesh = HostsMesh(workdir)
         else:
-            self.mesh = Mesh(workdir)
+            self.mesh = Launcher(log_dir=workdir)
         self.workers: dict[str, list[Proc]] = {"prefill": [], "decode": []}
         self.router: Proc | None = None
         self.killed: list[Proc] = []  # processes the soak itself killed (invariant 4 spares them)
@@ -288,18 +290,18 @@ class Soak:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tests.chaos.soak", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m chaos.soak", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--duration", type=float, default=120.0, help="seconds of load")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--conversations", type=int, default=3,
-                    help="multi-round conversations beside the clients (tests/chaos/soak_conversations.py)")
+                    help="multi-round conversations beside the clients (chaos/soak_conversations.py)")
     ap.add_argument("--local-prefill-max-tokens", type=int, default=0,
                     help="the router's flag (conditional disaggregation); 0: every round goes through prefill")
     ap.add_argument("--faults", type=int, default=10, help="faults injected during the load")
     ap.add_argument("--hosts", action="store_true",
-                    help="each service in its own network namespace (root; tests/hosts), partitions among the faults")
+                    help="each service in its own network namespace (root; services/launch/netns.py), partitions among the faults")
     ap.add_argument("--kinds", nargs="+", default=None, choices=HOST_KINDS,
                     help=f"fault kinds to draw from (default {' '.join(KINDS)}; with --hosts also partition)")
     ap.add_argument("--schedule", default="",
@@ -331,7 +333,7 @@ def main(argv=None) -> int:
     soak = Soak(args, logs)
     try:
         if args.hosts:  # the clients and every HTTP call of the soak, from inside the client host
-            from tests.chaos.soak_hosts import run_inside
+            from chaos.soak_hosts import run_inside
             report = run_inside(soak.mesh.topo.ns("client"), soak.run)
         else:
             report = soak.run()
@@ -343,7 +345,7 @@ def main(argv=None) -> int:
         for r in soak.results_for_plot:
             f.write(json.dumps(asdict(r)) + "\n")
     try:
-        from tests.chaos.soak_plot import plot_timeline
+        from chaos.soak_plot import plot_timeline
         plot_timeline(report, soak.results_for_plot, soak.t0, out / f"timeline-{name}.png")
         report["timeline_png"] = str(out / f"timeline-{name}.png")
     except ImportError as e:

@@ -19,7 +19,7 @@ import random
 
 import httpx
 
-from tests.chaos.soak_load import PRINTABLE, LoadState, Result, send_recorded
+from chaos.soak_load import PRINTABLE, LoadState, Result, send_recorded
 
 ROUNDS = 8  # rounds per conversation, then a fresh one (the context stays ~1,100 tokens at most)
 NEW_TOKENS = (80, 120)  # new prompt tokens per round

@@ -4,7 +4,7 @@ Each client sends one request at a time (prompt as token ids, so the reference g
 sees exactly the same prompt): mixed prompt and output lengths, streamed or not, greedy or
 seeded sampling. A connection refused (the router is restarting) is retried before the request
 counts as sent, as a client behind a load balancer would; anything else that ends a request is
-recorded with its cause. The multi-round conversations (tests/chaos/soak_conversations.py) send
+recorded with its cause. The multi-round conversations (chaos/soak_conversations.py) send
 their rounds through the same `send_recorded`, so their rounds are results like any other.
 """
 

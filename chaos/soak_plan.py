@@ -23,7 +23,7 @@ INJECTIONS = {
     "misroute_kv=0.5": ("prefill",),
 }
 KINDS = ("kill", "freeze", "router_restart", "inject")
-# Only in hosts mode (every service in its own network namespace, tests/hosts): cut prefill#index
+# Only in hosts mode (every service in its own network namespace, services/launch/netns.py): cut prefill#index
 # from decode#peer, both ways or one way, for `hold` seconds, then heal.
 HOST_KINDS = (*KINDS, "partition")
 DIRECTIONS = ("both", "to_decode", "to_prefill")  # to_decode: prefill -> decode dropped only

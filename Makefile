@@ -86,15 +86,15 @@ compose-test: venv-dev proto
 SEED ?= 1
 DURATION ?= 120
 chaos: venv-dev proto
-	$(PY) -m tests.chaos.soak --seed $(SEED) --duration $(DURATION) --out bench/out/chaos
+	$(PY) -m chaos.soak --seed $(SEED) --duration $(DURATION) --out bench/out/chaos
 
 chaos-three: venv-dev proto
-	for s in 1 2 3; do $(PY) -m tests.chaos.soak --seed $$s --duration $(DURATION) --out bench/out/chaos || exit 1; done
+	for s in 1 2 3; do $(PY) -m chaos.soak --seed $$s --duration $(DURATION) --out bench/out/chaos || exit 1; done
 
 # The soak with each service in its own network namespace, plus prefill <-> decode partitions
 # (docs/chaos.md, "Hosts mode"; root). `make chaos-hosts SEED=1 DURATION=90`.
 chaos-hosts: venv-dev proto
-	$(PY) -m tests.chaos.soak --hosts --seed $(SEED) --duration $(DURATION) --out bench/out/chaos
+	$(PY) -m chaos.soak --hosts --seed $(SEED) --duration $(DURATION) --out bench/out/chaos
 
 # The mesh across hosts (network namespaces; root). `make test` runs these too, and they skip
 # with the reason where namespaces are unavailable.
@@ -126,7 +126,7 @@ gpu-check:
 	$(GPU_PYTHON) scripts/gpu_check.py
 
 lint: venv-dev
-	$(PY) -m ruff check services tests bench scripts
+	$(PY) -m ruff check services tests bench scripts chaos
 
 clean:
 	rm -rf $(VENV) $(PROTO_OUT)

@@ -21,18 +21,13 @@ import json
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-import httpx  # noqa: E402
-
 from bench.router_overhead import ViaRouter, throughput  # noqa: E402
 from services.launch.launcher import Launcher  # noqa: E402
-from services.launch.ports import free_port  # noqa: E402
-from services.launch.probes import wait_for  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -43,30 +38,27 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def one_run(tree: pathlib.Path, fp: str, fd: str, args, log: pathlib.Path) -> tuple[float, float]:
-    """(requests/s, router CPU µs per request) of one run of `tree`'s router."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "services.router", "--port", str(port), "--prefill", fp,
-                             "--decode", fd, "--log-level", "warning"], cwd=tree,
-                            stdout=log.open("ab"), stderr=subprocess.STDOUT)
+async def one_run(tree: pathlib.Path, fp: str, fd: str, args, log_dir: pathlib.Path) -> tuple[float, float]:
+    """(requests/s, router CPU µs per request) of the router of source tree `tree` in front of the
+    fakes, started by services/launch from that tree, measured, stopped."""
+    log_dir.mkdir()
+    launcher = Launcher(log_dir=log_dir)
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: httpx.get(url + "/health", timeout=2).status_code == 200, 60, f"router of {tree}")
-        client = ViaRouter(url, args.concurrency)
+        router = launcher.start_router([fp], [fd], "--log-level", "warning", cwd=tree)
+        client = ViaRouter(router.http_url, args.concurrency)
         ids = [1] + [(7 * i) % 256 for i in range(args.prompt_tokens - 1)]
         try:
             await throughput(client.one, ids, args.max_tokens, args.concurrency, 1.0)  # warm-up
-            cpu0 = cpu_seconds(proc.pid)
+            cpu0 = cpu_seconds(router.popen.pid)
             out = await throughput(client.one, ids, args.max_tokens, args.concurrency, args.seconds)
-            cpu = cpu_seconds(proc.pid) - cpu0
+            cpu = cpu_seconds(router.popen.pid) - cpu0
         finally:
             await client.close()
         if out["errors"]:
             raise RuntimeError(f"{out['errors']} failed requests through the router of {tree}")
         return out["rps"], round(cpu / max(1, out["requests"]) * 1e6, 1)
     finally:
-        proc.kill()
-        proc.wait(10)
+        launcher.stop()
 
 
 async def main_async(args) -> dict:
@@ -78,9 +70,9 @@ async def main_async(args) -> dict:
         try:
             rps: dict[str, list[float]] = {"old": [], "new": []}
             cpu: dict[str, list[float]] = {"old": [], "new": []}
-            for _ in range(args.rounds):  # alternating, so drift hits both alike
+            for i in range(args.rounds):  # alternating, so drift hits both alike
                 for name, tree in (("old", old), ("new", ROOT)):
-                    r, c = await one_run(tree, fp, fd, args, tmp / f"{name}.log")
+                    r, c = await one_run(tree, fp, fd, args, tmp / f"{name}-{i}")
                     rps[name].append(r)
                     cpu[name].append(c)
         finally:

@@ -62,7 +62,10 @@ import urllib.request
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from services.launch.launcher import Launcher  # noqa: E402
 from services.launch.ports import free_port  # noqa: E402
+from services.launch.proc import Proc  # noqa: E402
+from services.launch.spec import MeshSpec  # noqa: E402
 
 SGLANG_ROUTER = "sglang-router==0.3.2"
 SGLANG_VENV = ROOT / "bench" / ".venv-sglang"
@@ -129,25 +132,22 @@ def wait_http(url: str, seconds: float, what: str, post: bytes | None = None) ->
 
 
 class Procs:
-    def __init__(self, tmp: pathlib.Path, pin: bool):
-        self.tmp, self.pin, self.procs = tmp, pin, []
+    """Every process of the run through services/launch, pinned with `taskset` when asked."""
 
-    def start(self, name: str, cmd: list[str], core: str, cwd: pathlib.Path = ROOT) -> subprocess.Popen:
-        if self.pin:
-            cmd = ["taskset", "-c", core, *cmd]
-        log = (self.tmp / f"{name}.log").open("wb")
-        p = subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
-        self.procs.append(p)
-        return p
+    def __init__(self, tmp: pathlib.Path, pin: bool):
+        self.pin = pin
+        self.launcher = Launcher(MeshSpec((), stop_grace=10), log_dir=tmp)
+
+    def _prefix(self, core: str) -> tuple[str, ...]:
+        return ("taskset", "-c", core) if self.pin else ()
+
+    def start(self, role: str, module: str, args: list[str], core: str, cwd: pathlib.Path = ROOT,
+              python: str = "") -> Proc:
+        return self.launcher.spawn(role, args, 0, None, module=module, cwd=cwd, prefix=self._prefix(core),
+                                   python=python)
 
     def close(self) -> None:
-        for p in reversed(self.procs):
-            p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        self.launcher.stop()
 
 
 def tree_cpu_seconds(pid: int) -> float:
@@ -231,13 +231,13 @@ def serve_fake_grpc(role: str, port: int) -> None:
     asyncio.run(main())
 
 
-def chunks_sent(proc: subprocess.Popen, log: pathlib.Path) -> tuple[int, int]:
+def chunks_sent(proc: Proc) -> tuple[int, int]:
     """(chunks, tokens) the fake decode has sent so far: it prints them on SIGUSR1."""
-    before = log.read_text().count("CHUNKS")
-    proc.send_signal(signal.SIGUSR1)
+    before = proc.log().count("CHUNKS")
+    proc.popen.send_signal(signal.SIGUSR1)
     until = time.monotonic() + 5
     while time.monotonic() < until:
-        lines = [ln for ln in log.read_text().splitlines() if ln.startswith("CHUNKS")]
+        lines = [ln for ln in proc.log().splitlines() if ln.startswith("CHUNKS")]
         if len(lines) > before:
             _, chunks, tokens = lines[-1].split()
             return int(chunks), int(tokens)
@@ -302,42 +302,44 @@ def main() -> int:
         procs = Procs(tmp, pin)
         urls: dict[str, str] = {}
         routers: dict[str, int] = {}  # side → the router's pid, for its CPU time per request
-        fake_decode: subprocess.Popen | None = None  # pdmesh's, asked for its chunk counts
+        fake_decode: Proc | None = None  # pdmesh's, asked for its chunk counts
         try:
             if "sglang" in sides:
                 sp, sd, sr = free_port(), free_port(), free_port()
                 for role, port in (("prefill", sp), ("decode", sd)):
-                    procs.start(f"sglang-fake-{role}", [sys.executable, "services/fakes/sglang_worker.py", "--port",
-                                                        str(port), "--role", role], other_cores)
-                procs.start("sglang-router", [str(sgl_py), "-m", "sglang_router.launch_router", "--pd-disaggregation",
-                                              "--prefill", f"http://127.0.0.1:{sp}", "none",
-                                              "--decode", f"http://127.0.0.1:{sd}", "--policy", "round_robin",
-                                              "--host", "127.0.0.1", "--port", str(sr)], sglang_core)
+                    procs.start("fakes", "services.fakes.sglang_worker", ["--port", str(port), "--role", role],
+                                other_cores)
+                router = procs.start("sglang-router", "sglang_router.launch_router", [
+                    "--pd-disaggregation", "--prefill", f"http://127.0.0.1:{sp}", "none",
+                    "--decode", f"http://127.0.0.1:{sd}", "--policy", "round_robin",
+                    "--host", "127.0.0.1", "--port", str(sr)], sglang_core, python=str(sgl_py))
                 urls["sglang"] = f"http://127.0.0.1:{sr}"
-                routers["sglang"] = procs.procs[-1].pid
-            def grpc_side(side: str, router: list[str], root: pathlib.Path = ROOT) -> None:
-                """Two instant fake gRPC workers (one process each) and `router` in front of them."""
-                p, d, r = free_port(), free_port(), free_port()
-                for role, port in (("prefill", p), ("decode", d)):
-                    procs.start(f"{side}-fake-{role}", [sys.executable, "bench/router_compare.py", "--serve-fake-grpc",
-                                                        role, str(port)], other_cores, root)
-                procs.start(f"{side}-router", [sys.executable, *router, "--port", str(r), "--prefill",
-                                               f"127.0.0.1:{p}", "--decode", f"127.0.0.1:{d}"], router_core, root)
-                urls[side] = f"http://127.0.0.1:{r}"
-                routers[side] = procs.procs[-1].pid
+                routers["sglang"] = router.popen.pid
 
-            pdmesh_router = ["-m", "services.router", "--policy", "round_robin"]
+            def grpc_side(side: str, router_module: str, router_args: list[str], root: pathlib.Path = ROOT) -> Proc:
+                """Two instant fake gRPC workers (one process each, this bench's --serve-fake-grpc in
+                `root`'s tree) and `router_module` in front of them; the fake decode's process."""
+                p, d, r = free_port(), free_port(), free_port()
+                fakes = [procs.start("fakes", "bench.router_compare", ["--serve-fake-grpc", role, str(port)],
+                                     other_cores, root) for role, port in (("prefill", p), ("decode", d))]
+                router = procs.start("router", router_module, [*router_args, "--port", str(r), "--prefill",
+                                                               f"127.0.0.1:{p}", "--decode", f"127.0.0.1:{d}"],
+                                     router_core, root)
+                urls[side] = f"http://127.0.0.1:{r}"
+                routers[side] = router.popen.pid
+                return fakes[1]
+
+            pdmesh_router = ["--policy", "round_robin"]
             if "pdmesh" in sides:
-                grpc_side("pdmesh", [*pdmesh_router, "--processes", str(processes[0])])
-                fake_decode = procs.procs[-2]
+                fake_decode = grpc_side("pdmesh", "services.router", [*pdmesh_router, "--processes", str(processes[0])])
             for n in processes[1:]:
                 if f"pdmesh_p{n}" in sides:
-                    grpc_side(f"pdmesh_p{n}", [*pdmesh_router, "--processes", str(n)])
+                    grpc_side(f"pdmesh_p{n}", "services.router", [*pdmesh_router, "--processes", str(n)])
             if "baseline" in sides:  # the same processes, from the other checkout's files
-                grpc_side("baseline", pdmesh_router, args.baseline.resolve())
+                grpc_side("baseline", "services.router", pdmesh_router, args.baseline.resolve())
             for floor in ("floor", "floor_lane"):
                 if floor in sides:
-                    grpc_side(floor, ["bench/router_floor.py", *(["--lane"] if floor == "floor_lane" else [])])
+                    grpc_side(floor, "bench.router_floor", ["--lane"] if floor == "floor_lane" else [])
             for side, url in urls.items():
                 wait_http(url + "/v1/completions", 60, f"{side} router", post=body(1, False).encode())
                 if side.startswith("floor"):
@@ -359,7 +361,7 @@ def main() -> int:
                 for r in range(args.rounds):
                     order = measured if r % 2 == 0 else list(reversed(measured))
                     for side in order:
-                        sent = chunks_sent(fake_decode, tmp / "pdmesh-fake-decode.log") if side == "pdmesh" else None
+                        sent = chunks_sent(fake_decode) if side == "pdmesh" else None
                         cpu0 = tree_cpu_seconds(routers[side])
                         res = run_wrk(wrk, urls[side] + "/v1/completions", script, conns, args.seconds,
                                       other_cores, pin)
@@ -369,7 +371,7 @@ def main() -> int:
                         if stream:
                             res["tokens_per_s"] = round(res["rps"] * max_tokens, 1)
                         if sent is not None:
-                            after = chunks_sent(fake_decode, tmp / "pdmesh-fake-decode.log")
+                            after = chunks_sent(fake_decode)
                             chunks, tokens = after[0] - sent[0], after[1] - sent[1]
                             res["decode_tokens_per_chunk"] = round(tokens / chunks, 2) if chunks else None
                         runs[side].append(res)

@@ -93,14 +93,19 @@ class Launcher:
     # -- one process at a time
 
     def spawn(self, role: str, args: list[str], http_port: int, grpc_port: int | None,
-              env: dict | None = None, host: str = "", module: str = "") -> Proc:
-        """`python -m services.<role> args` (or `module`) where the placement puts `host`; no wait."""
+              env: dict | None = None, host: str = "", module: str = "", cwd: pathlib.Path | None = None,
+              prefix: tuple[str, ...] = (), python: str = "") -> Proc:
+        """`python -m services.<role> args` (or `module`) where the placement puts `host`; no wait.
+        A bench may run it from another source tree (`cwd`), behind `prefix` (e.g. `taskset -c
+        0`), or with another interpreter (`python`, e.g. a bench-only venv's)."""
         self._spawned += 1
         log_path = (self.log_dir / self.placement.log_name(role, host, self._spawned)) if self.log_dir else None
-        cmd = self.placement.command(host, service_command(role, args, module))
-        popen = spawn(cmd, log_path, {**self.placement.env, **self.spec.env, **(env or {})}, self.spec.parent_death)
+        cmd = [*prefix, *self.placement.command(host, service_command(role, args, module, python))]
+        popen = spawn(cmd, log_path, {**self.placement.env, **self.spec.env, **(env or {})}, self.spec.parent_death,
+                      cwd=cwd)
         proc = Proc(role, popen, log_path, http_port, grpc_port, list(args), host, self.placement.addr(host),
-                    dict(env or {}), self.placement.call, self.placement.keep_queue, module)
+                    dict(env or {}), self.placement.call, self.placement.keep_queue, module, cwd, tuple(prefix),
+                    python)
         self.procs.append(proc)
         self.say(f"starting {proc.name}: python -m {module or 'services.' + role} {' '.join(args)}")
         return proc
@@ -133,16 +138,18 @@ class Launcher:
         return ps, ds
 
     def start_router(self, prefills: list[Proc | str], decodes: list[Proc | str], *extra: str, host: str = "",
-                     port: int = 0, env: dict | None = None, wait: bool = True) -> Proc:
+                     port: int = 0, env: dict | None = None, wait: bool = True, module: str = "",
+                     cwd: pathlib.Path | None = None, prefix: tuple[str, ...] = ()) -> Proc:
         """Workers as processes (their gRPC address) or as address specs (e.g. a host name);
-        `wait`: until its /health is 200."""
+        `wait`: until its /health is 200. `module`, `cwd`, `prefix`: as spawn's (a bench's
+        router of another source tree, or a stand-in speaking the router's command line)."""
         _, http = self.placement.ports("router", host, 0, port)
         args = [*self.placement.service_args("router", host), "--port", str(http)]
         for p in prefills:
             args += ["--prefill", p if isinstance(p, str) else p.grpc_addr]
         for d in decodes:
             args += ["--decode", d if isinstance(d, str) else d.grpc_addr]
-        proc = self.spawn("router", [*args, *self._model_args(), *extra], http, None, env, host)
+        proc = self.spawn("router", [*args, *self._model_args(), *extra], http, None, env, host, module, cwd, prefix)
         if wait:
             self.wait_healthy(proc)
         return proc
@@ -175,7 +182,7 @@ class Launcher:
                 i = args.index(flag)
                 del args[i : i + 2]
         new = self.spawn(proc.role, [*args, *add_args], proc.http_port, proc.grpc_port, proc.env, proc.host,
-                         proc.module)
+                         proc.module, proc.cwd, proc.prefix, proc.python)
         self.procs.remove(new)
         self.procs.insert(at, new)  # the order holds: prefills[0] is still the first prefill
         if wait:

@@ -99,3 +99,48 @@ def attempts_in_log(log_text: str) -> list[tuple[str, str]]:
         if event.get("event") == "attempt":
             pairs.append((event["prefill"], event["decode"]))
     return pairs
+
+
+# The router's log lines that end an attempt without its answer (services/router/orchestrator.py)
+ATTEMPT_FAILED = ("attempt failed", "attempt failed; failing over", "worker cannot hold the request; trying another",
+                  "migrating request")
+
+
+def _attempt_events(log_text: str):
+    for line in log_text.splitlines():
+        if '"attempt' not in line and '"migrating' not in line and '"worker cannot' not in line:
+            continue
+        try:
+            yield json.loads(line)
+        except ValueError:
+            continue
+
+
+def attempts_by_room(log_text: str) -> dict[object, tuple[str, str]]:
+    """room -> (prefill, decode) of every attempt in a router's JSON log (each attempt has a
+    room of its own)."""
+    return {e.get("room"): (e["prefill"], e["decode"]) for e in _attempt_events(log_text)
+            if e.get("event") == "attempt"}
+
+
+def served_in_log(log_text: str, rooms: set | None = None) -> dict[tuple[str, str], int]:
+    """Attempts per (prefill, decode) in a router's JSON log (of `rooms` only, when given) that no
+    failure line of the same room followed: the requests each pair served."""
+    failed = {e.get("room") for e in _attempt_events(log_text) if e.get("event") in ATTEMPT_FAILED}
+    served: dict[tuple[str, str], int] = {}
+    for room, pair in attempts_by_room(log_text).items():
+        if room not in failed and (rooms is None or room in rooms):
+            served[pair] = served.get(pair, 0) + 1
+    return served
+
+
+def marked_pairs(metrics_text: str) -> set[tuple[str, str]]:
+    """The (prefill, decode) pairs a router's /metrics says it avoids (`router_pair_marked` 1)."""
+    return {(lb["prefill"], lb["decode"]) for lb, v in labelled_samples(metrics_text, "pdmesh:router_pair_marked")
+            if v}
+
+
+def canary_passes(metrics_text: str, prefill: str, decode: str) -> float:
+    """Passing canaries a router's /metrics counts on the pair (prefill, decode) (gRPC addresses)."""
+    return sum(v for lb, v in labelled_samples(metrics_text, "pdmesh:canary_requests_total")
+               if (lb["prefill"], lb["decode"], lb["result"]) == (prefill, decode, "pass"))

@@ -25,8 +25,8 @@ from services.launch.probes import scrape_metrics
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def service_command(role: str, args: list[str], module: str = "") -> list[str]:
-    return [sys.executable, "-m", module or f"services.{role}", *args]
+def service_command(role: str, args: list[str], module: str = "", python: str = "") -> list[str]:
+    return [python or sys.executable, "-m", module or f"services.{role}", *args]
 
 
 def run_service(role: str, args: list[str], timeout: float = 60,
@@ -38,14 +38,17 @@ def run_service(role: str, args: list[str], timeout: float = 60,
 
 
 def spawn(cmd: list[str], log_path: pathlib.Path | None, env: dict[str, str] | None = None,
-          parent_death: bool = False) -> subprocess.Popen:
-    """`cmd` from the repository root with os.environ under `env`; output to `log_path`, or to
-    this terminal when it is None."""
+          parent_death: bool = False, cwd: pathlib.Path | None = None,
+          unset: tuple[str, ...] = ()) -> subprocess.Popen:
+    """`cmd` from `cwd` (default the repository root) with os.environ under `env`, less the
+    variables in `unset`; output to `log_path`, or to this terminal when it is None."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    for name in unset:
+        full_env.pop(name, None)
     out = log_path.open("wb") if log_path is not None else None
     try:
         return subprocess.Popen(
-            cmd, cwd=ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT if out else None,
+            cmd, cwd=cwd or ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT if out else None,
             start_new_session=True, preexec_fn=arm_in_child(os.getpid()) if parent_death else None,
         )
     finally:
@@ -68,6 +71,11 @@ class Proc:
     call: Callable = field(default=lambda fn, *a, **kw: fn(*a, **kw), repr=False)
     keep_queue: bool = True  # metrics(): `queue`-labelled samples under their own key
     module: str = ""  # what it runs when not services.<role> (a restart runs it again)
+    # how it was started, kept for a restart: the source tree it runs from (None: this one),
+    # words before the command (e.g. `taskset -c 0`), another interpreter ("": this one)
+    cwd: pathlib.Path | None = None
+    prefix: tuple[str, ...] = ()
+    python: str = ""
 
     @property
     def grpc_addr(self) -> str:

@@ -1,10 +1,10 @@
 import os
-import time
+import pathlib
 
 import pytest
 
+from services.launch.compose import Compose, NoEngine, prepare_wheelhouse
 from services.launch.ports import free_port
-from tests.compose.stack import NoEngine, Stack, find_engine, prepare_wheelhouse
 
 # Test settings, passed to the containers by tests/compose/docker-compose.test.yml.
 SETTINGS = {
@@ -16,13 +16,14 @@ SETTINGS = {
 HEALTHY_WITHIN = 240  # s from `up` (a cold start of three torch processes on two busy cores)
 
 
+# the test settings above, passed into the containers (a path from the repository root)
+TEST_OVERRIDE = pathlib.Path("tests/compose/docker-compose.test.yml")
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    """The compose mesh, up and healthy; always taken down (and anything left force-removed)."""
-    try:
-        engine, compose = find_engine()
-    except NoEngine as e:
-        pytest.skip(f"compose tests need a container engine: {e}")
+    """The compose mesh (services/launch/compose.py), up and healthy; always taken down (and
+    anything left force-removed)."""
     env = {
         **os.environ,
         **SETTINGS,
@@ -30,22 +31,14 @@ def stack(tmp_path_factory):
         # podman: OCI images drop HEALTHCHECK; the docker format keeps it
         "BUILDAH_FORMAT": "docker",
     }
-    s = Stack(engine, compose, env, tmp_path_factory.mktemp("compose"))
-    print(f"compose: {' '.join(compose)} ({engine}); {prepare_wheelhouse()}")
-    s.down()  # a stack a previous, killed run left behind
     try:
-        s.build()
-        s.up()
-        t = time.monotonic()
-        s.wait_healthy(HEALTHY_WITHIN)
-        s.timings["healthy_after_up_s"] = time.monotonic() - t
-        print("compose timings: " + ", ".join(f"{k}={v:.1f}" for k, v in s.timings.items()))
+        s = Compose.found(env, tmp_path_factory.mktemp("compose"), overrides=(TEST_OVERRIDE,))
+    except NoEngine as e:
+        pytest.skip(f"compose tests need a container engine: {e}")
+    print(f"compose: {' '.join(s.compose)} ({s.engine}); {prepare_wheelhouse()}")
+    s.start(HEALTHY_WITHIN)
+    print("compose timings: " + ", ".join(f"{k}={v:.1f}" for k, v in s.timings.items()))
+    try:
         yield s
-    except BaseException:
-        print(s.logs())
-        raise
     finally:
-        s.down()
-        left = s.leftovers()
-        if left:
-            s.force_remove(left)
+        s.stop()

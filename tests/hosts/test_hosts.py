@@ -24,9 +24,11 @@ import httpx
 import pytest
 
 from services.common.tokenizer import load_tokenizer
+from services.launch.host_mesh import HostMesh
 from services.launch.netns import NetemMissing, Topology
-from tests.hosts.launcher import ROOT, HostMesh
-from tests.integration.mesh import attempts_in_log, in_background, labelled_samples, wait_for
+from services.launch.probes import canary_passes, marked_pairs
+from services.launch.proc import ROOT
+from tests.integration.mesh import attempts_in_log, in_background, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -362,13 +364,10 @@ def test_partial_partition_marks_only_its_pair_and_the_others_serve(net):
                         "--canary-timeout", str(CANARY_TIMEOUT), "--pair-hold", "0", port=8002)
 
     def marked() -> set[tuple[str, str]]:
-        text = rc.get("/metrics").text
-        return {(lb["prefill"], lb["decode"]) for lb, v in labelled_samples(text, "pdmesh:router_pair_marked") if v}
+        return marked_pairs(rc.get("/metrics").text)
 
     def passed(p, d) -> float:
-        text = rc.get("/metrics").text
-        return sum(v for lb, v in labelled_samples(text, "pdmesh:canary_requests_total")
-                   if (lb["prefill"], lb["decode"], lb["result"]) == (p.grpc_addr, d.grpc_addr, "pass"))
+        return canary_passes(rc.get("/metrics").text, p.grpc_addr, d.grpc_addr)
 
     try:
         wait_for(lambda: all(passed(p, d) >= 1 for p in (p1, p2) for d in (d1, d2)),
@@ -435,8 +434,7 @@ def test_partial_partition_cut_under_load_fails_no_request(net):
             k += 1
 
     def marked() -> set[tuple[str, str]]:
-        text = rc.get("/metrics").text
-        return {(lb["prefill"], lb["decode"]) for lb, v in labelled_samples(text, "pdmesh:router_pair_marked") if v}
+        return marked_pairs(rc.get("/metrics").text)
 
     threads = [in_background(lambda i=i: client(i))[0] for i in range(4)]
     try:

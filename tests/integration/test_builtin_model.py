@@ -34,6 +34,7 @@ import pytest
 
 from services.common.tokenizer import BUILTIN_MODEL_DIR, load_tokenizer
 from services.launch.ports import free_port
+from services.launch.proc import service_command, spawn
 from tests.integration.mesh import ROOT, Mesh, Proc, wait_for
 
 pytestmark = pytest.mark.integration
@@ -76,13 +77,10 @@ def run(tmp_path_factory):
     """`make run`'s launcher on free ports: (mesh with the three services as Procs, printed curl)."""
     tmp = tmp_path_factory.mktemp("builtin-run")
     ports = {name: free_port() for name in ("PREFILL_GRPC", "PREFILL_HTTP", "DECODE_GRPC", "DECODE_HTTP", "ROUTER")}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **{f"PDMESH_{k}_PORT": str(v) for k, v in ports.items()}}
-    env.pop("PDMESH_MODEL", None)  # the default model, whatever the caller's environment says
+    env = {f"PDMESH_{k}_PORT": str(v) for k, v in ports.items()}
     log_path = tmp / "mesh.log"
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "services.mesh"], cwd=ROOT, env=env,
-        stdout=log_path.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
-    )
+    # the default model, whatever the caller's environment says
+    launcher = spawn(service_command("mesh", []), log_path, env, unset=("PDMESH_MODEL",))
     m = Mesh(tmp)
     m.procs = [
         Proc("prefill", launcher, log_path, ports["PREFILL_HTTP"], ports["PREFILL_GRPC"]),

@@ -13,11 +13,8 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
-import subprocess
-import sys
 
 import httpx
 import pytest
@@ -25,7 +22,7 @@ import pytest
 from services.launch.launcher import Launcher
 from services.launch.ports import free_port
 from services.launch.probes import http_healthy, wait_for
-from services.launch.proc import ROOT
+from services.launch.proc import service_command, spawn
 from services.launch.spec import MeshSpec, Service
 
 pytestmark = pytest.mark.integration
@@ -93,11 +90,8 @@ def test_failed_start_stops_what_had_started(tmp_path):
 
 def test_make_run_services_die_with_a_killed_launcher(tmp_path):
     ports = {name: free_port() for name in ("PREFILL_GRPC", "PREFILL_HTTP", "DECODE_GRPC", "DECODE_HTTP", "ROUTER")}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",
-           **{f"PDMESH_{name}_PORT": str(port) for name, port in ports.items()}}
-    log = (tmp_path / "mesh.log").open("wb")
-    launcher = subprocess.Popen([sys.executable, "-m", "services.mesh"], cwd=ROOT, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+    env = {"CUDA_VISIBLE_DEVICES": "", **{f"PDMESH_{name}_PORT": str(port) for name, port in ports.items()}}
+    launcher = spawn(service_command("mesh", []), tmp_path / "mesh.log", env)
     try:
         router = f"http://127.0.0.1:{ports['ROUTER']}"
 
@@ -113,4 +107,3 @@ def test_make_run_services_die_with_a_killed_launcher(tmp_path):
     finally:
         if launcher.poll() is None:
             launcher.kill()
-        log.close()

@@ -25,6 +25,7 @@ import yaml
 
 from services.common import config
 from services.launch.ports import free_port
+from services.launch.proc import run_service
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -61,14 +62,7 @@ def service_cli(role: str) -> tuple[frozenset[str], frozenset[str]]:
     if not main.exists():  # not written yet: the lists --help is built from
         flags = ROLE_FLAGS[role]
         return frozenset(f.name for f in flags), frozenset(f.env for f in flags)
-    proc = subprocess.run(
-        [sys.executable, "-m", f"services.{role}", "--help"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "COLUMNS": "250"},
-    )
+    proc = run_service(role, ["--help"], timeout=120, env={"COLUMNS": "250"})
     assert proc.returncode == 0, f"python -m services.{role} --help failed:\n{proc.stderr[-3000:]}"
     flags = frozenset(re.findall(r"(?<![\w-])--([a-z][a-z0-9-]*)", proc.stdout)) - {"help"}
     envs = frozenset(re.findall(r"\bPDMESH_[A-Z0-9_]+", proc.stdout))

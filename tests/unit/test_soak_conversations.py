@@ -1,10 +1,10 @@
-"""The soak's invariant 6 (tests/chaos/soak_conversations.cache_hits): quiet rounds from round 2
+"""The soak's invariant 6 (chaos/soak_conversations.cache_hits): quiet rounds from round 2
 on, away from every fault and its settling time, must mostly report cached prompt tokens."""
 
 from __future__ import annotations
 
-from tests.chaos.soak_conversations import SETTLE_S, cache_hits
-from tests.chaos.soak_load import Result
+from chaos.soak_conversations import SETTLE_S, cache_hits
+from chaos.soak_load import Result
 
 
 def round_(i: int, rnd: int, started: float, cached: int | None, cause: str = "") -> Result:

@@ -1,10 +1,10 @@
-"""The soak's invariant 5 (tests/chaos/soak_verify.check_counts): each router generation counted
+"""The soak's invariant 5 (chaos/soak_verify.check_counts): each router generation counted
 every request clients are sure it answered, and nothing beyond what they may have sent it."""
 
 from __future__ import annotations
 
-from tests.chaos.soak_load import Result
-from tests.chaos.soak_verify import check_counts
+from chaos.soak_load import Result
+from chaos.soak_verify import check_counts
 
 
 def result(i: int, gen: tuple[int, int], ended: float, cause: str = "") -> Result:

@@ -1,4 +1,4 @@
-from tests.chaos.soak_plan import (
+from chaos.soak_plan import (
     DIRECTIONS,
     HOST_KINDS,
     INJECTIONS,
@@ -57,3 +57,20 @@ def test_partitions_are_drawn_only_when_asked_and_as_often_as_must_says():
     for f in parts:
         assert f.role == "prefill" and f.index in (0, 1) and f.peer in (0, 1) and f.spec in DIRECTIONS
         assert f.hold > 10  # longer than the soak's longest deadline (prealloc/bootstrap 10 s)
+
+
+def test_partial_partitions_parse_cut_both_ways_and_are_drawn_in_hosts_mode_from_the_seed():
+    assert parse_schedule("partial_partition:0:0~10@12") == [
+        Fault(12.0, "partial_partition", "prefill", 0, "both", 10.0, peer=0)]
+    assert parse_schedule("partial_partition:1:0@5")[0].describe() == \
+        "partial partition prefill#1 <-x-> decode#0 only 12s"
+    import pytest
+    with pytest.raises(ValueError):
+        parse_schedule("partial_partition:0:1:to_decode@5")  # one pair, both ways: no direction
+    assert all(f.kind != "partial_partition" for s in range(1, 6) for f in plan_faults(s, 120, 10))
+    drawn = [plan_faults(s, 90, 10, kinds=HOST_KINDS) for s in (1, 2)]
+    assert drawn[0] == plan_faults(1, 90, 10, kinds=HOST_KINDS)  # seeded: the same plan again
+    for faults in drawn:
+        cuts = [f for f in faults if f.kind == "partial_partition"]
+        assert cuts and all(f.spec == "both" and f.index in (0, 1) and f.peer in (0, 1) and f.hold > 10
+                            for f in cuts)

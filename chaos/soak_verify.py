@@ -9,13 +9,13 @@ import httpx
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from chaos.soak_load import Result
 from services.common.sampling_params import SamplingParams
 from services.common.tokenizer import load_tokenizer
 from services.engine.grammar import GrammarRegistry, build_tokenizer
 from services.engine.kv_pool import KVPool
 from services.engine.loader import load_model
 from services.engine.local_generate import generate_full
-from tests.chaos.soak_load import Result
 
 STANDARD_LABELS = {"model_name", "engine_type", "worker"}
 

@@ -1,9 +1,11 @@
-"""The compose mesh for tests/compose: find an engine, build the image, bring the stack up, look
-at its containers, take it down.
+"""Placement in containers: the mesh as a compose project. `Compose.start()` finds an engine,
+builds the image, brings the project up and waits until its services are healthy;
+`Compose.stop()` takes down what it started (and force-removes anything the engine left). In
+between it looks at the containers: their state, published ports, pause, a crashed service.
 
 The command is the README's bring-up line (parsed from README.md, so the two cannot drift) with
-the engine's compose command in front, the CPU override and tests/compose/docker-compose.test.yml
-added after its `-f` files, and only the three pdmesh services named (no image of Prometheus or
+the engine's compose command in front, the CPU override and the caller's override files added
+after its `-f` files, and only the three pdmesh services named (no image of Prometheus or
 Grafana can be pulled on the test machines; the host's Prometheus scrapes instead).
 
 Engines, first found wins (or PDMESH_COMPOSE="docker compose" / "podman-compose"):
@@ -28,9 +30,10 @@ from dataclasses import dataclass, field
 
 import httpx
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from services.launch.probes import wait_for
+from services.launch.proc import ROOT
+
 DEPLOY = ROOT / "deploy"
-TEST_OVERRIDE = pathlib.Path("tests/compose/docker-compose.test.yml")
 CPU_OVERRIDE = pathlib.Path("deploy/docker-compose.cpu.yml")
 SERVICES = ("router", "prefill", "decode")
 WORKER_HTTP = {"prefill": 8081, "decode": 8082}
@@ -106,14 +109,14 @@ def readme_up_args() -> list[str]:
     raise AssertionError("README.md has no `docker compose ... up` line")
 
 
-def compose_args() -> tuple[list[str], list[str]]:
-    """(global options, `up` options) of the README's line, with the CPU and test overrides
-    added after its `-f` files."""
+def compose_args(overrides: tuple[pathlib.Path, ...] = ()) -> tuple[list[str], list[str]]:
+    """(global options, `up` options) of the README's line, with the CPU override and then
+    `overrides` (paths from the repository root) added after its `-f` files."""
     words = readme_up_args()
     up = words.index("up")
     globals_, up_opts = words[:up], words[up + 1 :]
     last_f = max(i for i, w in enumerate(globals_) if w == "-f")
-    globals_[last_f + 2 : last_f + 2] = ["-f", str(CPU_OVERRIDE), "-f", str(TEST_OVERRIDE)]
+    globals_[last_f + 2 : last_f + 2] = [w for f in (CPU_OVERRIDE, *overrides) for w in ("-f", str(f))]
     return ["-p", PROJECT, *globals_], up_opts
 
 
@@ -137,18 +140,51 @@ def prepare_wheelhouse() -> str:
 
 
 @dataclass
-class Stack:
+class Compose:
     engine: str
     compose: list[str]
     env: dict[str, str]
     log_dir: pathlib.Path
+    overrides: tuple[pathlib.Path, ...] = ()  # compose files after the CPU override (e.g. a test's settings)
     timings: dict[str, float] = field(default_factory=dict)
     _pump_stop: threading.Event = field(default_factory=threading.Event)
     _pump: threading.Thread | None = None
 
+    @classmethod
+    def found(cls, env: dict[str, str], log_dir: pathlib.Path, overrides: tuple[pathlib.Path, ...] = ()) -> Compose:
+        """On the first engine find_engine() finds (NoEngine when there is none)."""
+        engine, compose = find_engine()
+        return cls(engine, compose, env, log_dir, tuple(overrides))
+
+    # --- the whole project ----------------------------------------------------------------------
+    def start(self, healthy_within: float) -> Compose:
+        """Down whatever a killed earlier run left of the project, build, up, and wait until
+        every service is healthy; on failure, print the containers' logs and stop."""
+        self.down()
+        try:
+            self.build()
+            self.up()
+            t = time.monotonic()
+            self.wait_healthy(healthy_within)
+            self.timings["healthy_after_up_s"] = time.monotonic() - t
+        except BaseException:
+            print(self.logs())
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> dict[str, list[str]]:
+        """Down (containers, network, volumes); what the engine still lists of the project
+        afterwards is force-removed. Returns what had to be force-removed."""
+        self.down()
+        left = self.leftovers()
+        if left:
+            self.force_remove(left)
+        return left
+
     # --- compose ------------------------------------------------------------------------------
     def compose_cmd(self, *args: str) -> list[str]:
-        globals_, _ = compose_args()
+        globals_, _ = compose_args(self.overrides)
         return [*self.compose, *globals_, *args]
 
     def run_compose(self, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
@@ -168,7 +204,7 @@ class Stack:
         self.timings["build_s"] = time.monotonic() - t
 
     def up(self) -> None:
-        _, up_opts = compose_args()
+        _, up_opts = compose_args(self.overrides)
         t = time.monotonic()
         # the one-shot token service first by name: an engine that cannot wait on
         # service_completed_successfully still creates it (the workers restart until its file exists)
@@ -284,8 +320,6 @@ class Stack:
         self._pump.start()
 
     def wait_healthy(self, timeout: float, services=SERVICES) -> None:
-        from tests.integration.mesh import wait_for
-
         def all_healthy():
             status = {s: self.health_status(s) for s in services}
             for s in services:
@@ -294,8 +328,3 @@ class Stack:
             return all(v == "healthy" for v in status.values()) and status
 
         wait_for(all_healthy, timeout, f"{', '.join(services)} to be healthy", poll=0.5)
-
-
-# --- worker HTTP ----------------------------------------------------------------------------
-
-

@@ -1,27 +1,24 @@
-"""The host tests' mesh: services/launch's Launcher with the hosts placement
-(services/launch/hosts.py), each process inside its host's network namespace of a `Topology`,
-bound to the host's address on its role's usual ports. The test process reaches their HTTP
-ports from an observer host (`proc.get`, `proc.post`, `proc.call(fn)`).
+"""A mesh on the hosts of a network-namespace `Topology`: the Launcher with the hosts placement
+(hosts.py), each process inside its host's network namespace, bound to the host's address on
+its role's usual ports, and the host named first in each start. Every HTTP call to a process
+(`proc.get`, `proc.post`, `proc.call(fn)`) is made from an observer host, so nothing the caller
+speaks to lives outside the namespaces. The chaos soak's hosts mode and tests/hosts use it.
 """
 
 from __future__ import annotations
 
 import pathlib
 
-from services.launch.hosts import GRPC_PORT, HOST_ENV, HTTP_PORT, Hosts
+from services.launch.hosts import Hosts
 from services.launch.launcher import Launcher
 from services.launch.netns import Topology
-from services.launch.proc import ROOT, Proc
-
-__all__ = ["GRPC_PORT", "HOST_ENV", "HTTP_PORT", "ROOT", "HostMesh", "HostProc"]
-
-HostProc = Proc  # a process on a host: Proc with `host`, `addr` and calls made from the observer
+from services.launch.proc import Proc
 
 
 class HostMesh(Launcher):
-    def __init__(self, topo: Topology, tmp_path: pathlib.Path, observer: str = "observer", env: dict | None = None):
-        super().__init__(log_dir=tmp_path, placement=Hosts(topo, observer, env))
-        self.topo, self.tmp_path = topo, tmp_path
+    def __init__(self, topo: Topology, log_dir: pathlib.Path, observer: str = "observer", env: dict | None = None):
+        super().__init__(log_dir=log_dir, placement=Hosts(topo, observer, env))
+        self.topo = topo
 
     def start_worker(self, role: str, host: str, *extra: str, env: dict | None = None, wait: bool = True) -> Proc:
         return super().start_worker(role, *extra, host=host, env=env, wait=wait)

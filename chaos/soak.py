@@ -9,11 +9,15 @@ clients, faults on a seeded schedule; then the invariants (docs/chaos.md):
   4. no worker that the soak did not kill has died or restarted;
   5. the router's counters agree with what the clients saw;
   6. multi-round conversations (soak_conversations.py) beside the clients: most of their rounds
-     from round 2 on, away from faults, report cached prompt tokens.
+     from round 2 on, away from faults, report cached prompt tokens;
+  7. (hosts mode) a partial partition — one prefill cut from one decode, every other pair up —
+     is marked by the router on exactly that pair, both workers keep serving through their
+     other peers while it lasts, and the mark clears after the heal.
 
-    python -m tests.chaos.soak --seed 1 --duration 120 --out bench/out/chaos
-    python -m tests.chaos.soak --hosts --seed 1 --duration 90   # each service in its own network
-        namespace (root; tests/hosts), plus partitions between a prefill and a decode
+    python -m chaos.soak --seed 1 --duration 120 --out bench/out/chaos
+    python -m chaos.soak --hosts --seed 1 --duration 90   # each service in its own network
+        namespace (root; services/launch/netns.py), plus partitions and partial partitions
+        between a prefill and a decode
 
 Prints the JSON report (also written to OUT/report-seedN.json, with a timeline PNG beside it)
 and exits non-zero when an invariant fails.
@@ -34,11 +38,13 @@ from dataclasses import asdict
 
 import httpx
 
-from tests.chaos.soak_conversations import cache_hits, conversation_loop
-from tests.chaos.soak_load import LoadState, client_loop
-from tests.chaos.soak_plan import HOST_KINDS, KINDS, Fault, parse_schedule, plan_faults
-from tests.chaos.soak_verify import check_counts, check_outputs, scrape
-from tests.integration.mesh import QUEUE_GAUGES, Mesh, Proc, wait_for
+from chaos.soak_conversations import cache_hits, conversation_loop
+from chaos.soak_load import LoadState, client_loop
+from chaos.soak_plan import CUTS, HOST_KINDS, KINDS, Fault, parse_schedule, plan_faults
+from chaos.soak_verify import check_counts, check_outputs, scrape
+from services.launch.launcher import Launcher
+from services.launch.probes import QUEUE_GAUGES, attempts_by_room, marked_pairs, served_in_log, wait_for
+from services.launch.proc import Proc
 
 # The random test model: its logits are well separated, so sampled tokens do not sit on the
 # near-ties that float rounding (batch composition, prefill vs decode) can flip — invariant 2
@@ -56,16 +62,22 @@ DECODE_FLAGS = ("--model", MODEL, "--prealloc-timeout", "10", "--transfer-timeou
 ROUTER_FLAGS = ("--model", MODEL, "--served-model-name", MODEL, "--health-check-interval", "0.5", "--health-check-timeout", "0.5", "--health-failure-threshold", "2",
                 "--stream-stall-timeout", "3", "--max-migrations", "4", "--policy", "cache_aware")
 WATCHDOG_OFF = ("--watchdog-interval", "100000")  # --without watchdog: the sweep never runs
+# Hosts mode: the router's canary (services/router/canary.py) tests each idle pair, and every
+# marked pair each interval, so a healed pair is cleared within an interval plus a canary's time
+CANARY_FLAGS = ("--canary-interval", "1", "--canary-timeout", "5")
+# a partial partition's pair is marked within this long after the cut, and cleared within this
+# long after the heal: the canary's interval and timeout, plus a loaded machine's slack
+MARK_WITHIN_S, CLEAR_WITHIN_S = 10.0, 15.0
 
 
 class Soak:
     def __init__(self, args, workdir: pathlib.Path):
         self.args = args
         if args.hosts:
-            from tests.chaos.soak_hosts import HostsMesh
+            from chaos.soak_hosts import HostsMesh
             self.mesh = HostsMesh(workdir)
         else:
-            self.mesh = Mesh(workdir)
+            self.mesh = Launcher(log_dir=workdir)
         self.workers: dict[str, list[Proc]] = {"prefill": [], "decode": []}
         self.router: Proc | None = None
         self.killed: list[Proc] = []  # processes the soak itself killed (invariant 4 spares them)
@@ -73,6 +85,7 @@ class Soak:
         self.router_counts: list[dict[str, float]] = []  # router_requests_total by status, per generation
         self.router_killed_at: list[float] = []  # when each generation's router was killed
         self.worker_counters: dict[str, float] = {}
+        self.partial_partitions: list[dict] = []  # what each partial_partition fault observed
         self.errors: list[str] = []
 
     # --- the mesh ------------------------------------------------------------------------------
@@ -87,8 +100,9 @@ class Soak:
         for proc in self.workers["prefill"] + self.workers["decode"]:
             self.mesh.wait_healthy(proc)
         migrations = ("--max-migrations", "0") if "migration" in self.args.without else ()
+        canary = CANARY_FLAGS if self.args.hosts else ()
         self.router = self.mesh.start_router(
-            self.workers["prefill"], self.workers["decode"], *ROUTER_FLAGS, *migrations,
+            self.workers["prefill"], self.workers["decode"], *ROUTER_FLAGS, *migrations, *canary,
             "--request-timeout", str(self.args.request_timeout), "--processes", str(self.args.router_processes),
             "--local-prefill-max-tokens", str(self.args.local_prefill_max_tokens))
 
@@ -134,6 +148,9 @@ class Soak:
             finally:
                 self.mesh.heal(f.index, f.peer)
             return
+        if f.kind == "partial_partition":
+            self.partial_partitions.append(self.partial_partition(f))
+            return
         proc = self.workers[f.role][f.index]
         if f.kind == "kill":
             self._replace(proc)
@@ -145,6 +162,54 @@ class Soak:
             faulty = self._replace(proc, add=("--faults", f.spec))
             time.sleep(f.hold)
             self._replace(faulty, drop=("--faults",))
+
+    def partial_partition(self, f: Fault) -> dict:
+        """Cut prefill#index <-> decode#peer only, for f.hold seconds, then heal; meanwhile watch
+        the router's pair marks. What it saw: how soon the pair was marked and cleared, any
+        other pair marked during the cut, and what each pair and worker served during it."""
+        p, d = self.workers["prefill"][f.index], self.workers["decode"][f.peer]
+        cut = (p.grpc_addr, d.grpc_addr)
+        received = lambda: {w.name: w.metrics().get("pdmesh:num_requests_total", 0.0)  # noqa: E731
+                            for w in self.workers["prefill"] + self.workers["decode"]}
+        before, log_before = received(), self.router.log()
+        others: set[tuple[str, str]] = set()
+        marked_at = cleared_at = None
+        self.mesh.partition(f.index, f.peer, "both")
+        t0 = time.monotonic()
+        try:
+            while time.monotonic() < t0 + f.hold:
+                marks = marked_pairs(self.router.get("/metrics", timeout=2).text)
+                others |= marks - {cut}
+                if cut in marks and marked_at is None:
+                    marked_at = time.monotonic() - t0
+                time.sleep(0.1)
+        finally:
+            self.mesh.heal(f.index, f.peer)
+        t1 = time.monotonic()
+        during = set(attempts_by_room(self.router.log())) - set(attempts_by_room(log_before))
+        after = received()
+        while time.monotonic() < t1 + CLEAR_WITHIN_S:
+            marks = marked_pairs(self.router.get("/metrics", timeout=2).text)
+            if cut not in marks:
+                cleared_at = time.monotonic() - t1
+                break
+            time.sleep(0.1)
+        # the attempts begun during the cut, judged by the log now (a failure may be logged late)
+        served = served_in_log(self.router.log(), rooms=during)
+        names = {w.grpc_addr: w.name for w in self.workers["prefill"] + self.workers["decode"]}
+        return {
+            "what": f.describe(), "pair": [p.name, d.name],
+            "marked_after_cut_s": None if marked_at is None else round(marked_at, 2),
+            "cleared_after_heal_s": None if cleared_at is None else round(cleared_at, 2),
+            "other_pairs_marked": sorted(f"{names.get(a, a)}-{names.get(b, b)}" for a, b in others),
+            # attempts that ended with no failure line in the router's log, per pair, during the cut
+            "served_per_pair_during_cut": {f"{names.get(a, a)}-{names.get(b, b)}": n
+                                           for (a, b), n in sorted(served.items()) if n},
+            "served_on_the_cut_pair": served.get(cut, 0),
+            "p_served_through_other_decodes": sum(n for (a, b), n in served.items() if a == cut[0] and b != cut[1]),
+            "d_served_through_other_prefills": sum(n for (a, b), n in served.items() if b == cut[1] and a != cut[0]),
+            "requests_received_per_worker_during_cut": {k: after[k] - before.get(k, 0) for k in after},
+        }
 
     def wait_all_healthy(self, timeout: float = 60) -> None:
         """Faults come one at a time: the next waits until the router sees every worker healthy
@@ -180,7 +245,7 @@ class Soak:
         must = (*kinds, "partition") if "partition" in kinds else kinds
         plan = (parse_schedule(a.schedule) if a.schedule
                 else plan_faults(a.seed, a.duration, a.faults, kinds=kinds, must=must))
-        state = LoadState(self.router.http_url)
+        state = LoadState(self.router.http_url, think=a.think)
         t0 = time.monotonic()
         state.stop_at = t0 + a.duration
         state.hard_stop_at = state.stop_at + 180  # restarts under load can push the last faults late
@@ -258,10 +323,12 @@ class Soak:
             "4_no_unexpected_worker_death": not died,
             "5_metrics_agree_with_clients": not count_errors,
             "6_conversations_hit_cache_when_quiet": conversations.pop("ok"),
+            "7_partial_partition_marks_only_its_pair": all(map(self.partial_partition_ok, self.partial_partitions)),
             "no_failed_requests_beyond_router_restarts": len(unexcused) <= self.args.allow_failures,
         }
         report = {
             "seed": self.args.seed, "duration_s": self.args.duration, "clients": self.args.clients,
+            "think_s": self.args.think,
             "hosts": self.args.hosts,
             "without": self.args.without,
             "requests": {"sent": len(results), "succeeded": len(results) - len(failed), "failed": len(failed),
@@ -270,6 +337,7 @@ class Soak:
                          "structured": sum(r.grammar is not None for r in results), "near_ties": len(ties)},
             "conversations": conversations,
             "faults": self.fault_log,
+            "partial_partitions": self.partial_partitions,
             "longest_request_s": round(max((r.ended - r.started for r in results), default=0), 3),
             "drain_after_last_fault_s": round(drained_at - max(last_fault_end, load_end), 3),
             "migrations": {k: v for k, v in self.worker_counters.items() if "migrations" in k},
@@ -286,25 +354,38 @@ class Soak:
         }
         return report
 
+    @staticmethod
+    def partial_partition_ok(seen: dict) -> bool:
+        """Invariant 7: the cut pair marked soon after the cut and cleared soon after the heal,
+        no other pair marked meanwhile, and both of its workers served through their other peers."""
+        return (seen["marked_after_cut_s"] is not None and seen["marked_after_cut_s"] <= MARK_WITHIN_S
+                and seen["cleared_after_heal_s"] is not None and not seen["other_pairs_marked"]
+                and seen["p_served_through_other_decodes"] > 0 and seen["d_served_through_other_prefills"] > 0)
+
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tests.chaos.soak", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m chaos.soak", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--duration", type=float, default=120.0, help="seconds of load")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--conversations", type=int, default=3,
-                    help="multi-round conversations beside the clients (tests/chaos/soak_conversations.py)")
+                    help="multi-round conversations beside the clients (chaos/soak_conversations.py)")
+    ap.add_argument("--think", type=float, default=0.0,
+                    help="seconds each client and conversation waits between its requests (0: back to back); "
+                         "fewer requests for the single-process check to replay")
     ap.add_argument("--local-prefill-max-tokens", type=int, default=0,
                     help="the router's flag (conditional disaggregation); 0: every round goes through prefill")
     ap.add_argument("--faults", type=int, default=10, help="faults injected during the load")
     ap.add_argument("--hosts", action="store_true",
-                    help="each service in its own network namespace (root; tests/hosts), partitions among the faults")
+                    help="each service in its own network namespace (root; services/launch/netns.py), partitions among the faults")
     ap.add_argument("--kinds", nargs="+", default=None, choices=HOST_KINDS,
-                    help=f"fault kinds to draw from (default {' '.join(KINDS)}; with --hosts also partition)")
+                    help=f"fault kinds to draw from (default {' '.join(KINDS)}; with --hosts also partition and "
+                         "partial_partition)")
     ap.add_argument("--schedule", default="",
                     help="explicit faults instead of a drawn plan, e.g. 'kill:decode:0@8,inject:prefill:0:stall_transfer@15'"
-                         " (--hosts: also 'partition:P:D[:both|to_decode|to_prefill][~hold]@seconds')")
+                         " (--hosts: also 'partition:P:D[:both|to_decode|to_prefill][~hold]@seconds' and"
+                         " 'partial_partition:P:D[~hold]@seconds')")
     ap.add_argument("--request-timeout", type=float, default=60.0)
     ap.add_argument("--drain-timeout", type=float, default=30.0)
     ap.add_argument("--allow-failures", type=int, default=0)
@@ -314,8 +395,8 @@ def main(argv=None) -> int:
                     help="switch a protection off, to show that the soak then fails")
     ap.add_argument("--out", default="bench/out/chaos")
     args = ap.parse_args(argv)
-    if not args.hosts and ("partition" in (args.kinds or ()) or "partition" in args.schedule):
-        ap.error("partition faults need --hosts (network namespaces)")
+    if not args.hosts and (set(args.kinds or ()) & set(CUTS) or "partition" in args.schedule):
+        ap.error("partition and partial_partition faults need --hosts (network namespaces)")
     if args.hosts:
         from services.launch.netns import unsupported_reason
         if (why := unsupported_reason()) is not None:
@@ -331,7 +412,7 @@ def main(argv=None) -> int:
     soak = Soak(args, logs)
     try:
         if args.hosts:  # the clients and every HTTP call of the soak, from inside the client host
-            from tests.chaos.soak_hosts import run_inside
+            from chaos.soak_hosts import run_inside
             report = run_inside(soak.mesh.topo.ns("client"), soak.run)
         else:
             report = soak.run()
@@ -343,7 +424,7 @@ def main(argv=None) -> int:
         for r in soak.results_for_plot:
             f.write(json.dumps(asdict(r)) + "\n")
     try:
-        from tests.chaos.soak_plot import plot_timeline
+        from chaos.soak_plot import plot_timeline
         plot_timeline(report, soak.results_for_plot, soak.t0, out / f"timeline-{name}.png")
         report["timeline_png"] = str(out / f"timeline-{name}.png")
     except ImportError as e:

@@ -1,9 +1,9 @@
 """The chaos soak's hosts mode: the same router + 2 prefills + 2 decodes, each in its own network
-namespace (services/launch/netns.py Topology + tests/hosts/launcher.py HostMesh), so that a prefill and a decode can
-be partitioned. The clients and the soak's own HTTP calls run on threads that have entered the
+namespace (services/launch/netns.py Topology, services/launch/host_mesh.py HostMesh), so that a
+prefill and a decode can be partitioned. The clients and the soak's own HTTP calls run on threads that have entered the
 `client` host's namespace: every address the soak speaks to lives inside namespaces it created.
 
-`HostsMesh` has the interface the soak uses of tests/integration/mesh.Mesh (start_worker,
+`HostsMesh` has the interface the soak uses of services/launch's Launcher (start_worker,
 start_router, restart, procs, close) plus `partition` / `heal`.
 """
 
@@ -13,8 +13,9 @@ import pathlib
 import secrets
 import threading
 
+from services.launch.host_mesh import HostMesh
 from services.launch.netns import Topology, enter_thread
-from tests.hosts.launcher import HostMesh, HostProc
+from services.launch.proc import Proc
 
 HOSTS = ["router", "p0", "p1", "d0", "d1", "client"]
 
@@ -32,21 +33,21 @@ class HostsMesh:
         self._next = {"prefill": 0, "decode": 0}
 
     @property
-    def procs(self) -> list[HostProc]:
+    def procs(self) -> list[Proc]:
         return self.hm.procs
 
-    def start_worker(self, role: str, *flags: str, wait: bool = True) -> HostProc:
+    def start_worker(self, role: str, *flags: str, wait: bool = True) -> Proc:
         host = f"{role[0]}{self._next[role]}"
         self._next[role] += 1
         return self.hm.start_worker(role, host, *flags, wait=wait)
 
-    def start_router(self, prefills, decodes, *flags: str) -> HostProc:
+    def start_router(self, prefills, decodes, *flags: str) -> Proc:
         return self.hm.start_router("router", prefills, decodes, *flags)
 
-    def wait_healthy(self, proc: HostProc) -> None:
+    def wait_healthy(self, proc: Proc) -> None:
         self.hm.wait_healthy(proc)
 
-    def restart(self, proc: HostProc, wait: bool = True, drop_flags=(), add_args=()) -> HostProc:
+    def restart(self, proc: Proc, wait: bool = True, drop_flags=(), add_args=()) -> Proc:
         return self.hm.restart(proc, wait=wait, drop_flags=drop_flags, add_args=add_args)
 
     def partition(self, prefill: int, decode: int, direction: str) -> None:

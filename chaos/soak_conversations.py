@@ -15,11 +15,12 @@ least `MIN_HIT_SHARE` report `usage.prompt_tokens_details.cached_tokens > 0`.
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import httpx
 
-from tests.chaos.soak_load import PRINTABLE, LoadState, Result, send_recorded
+from chaos.soak_load import PRINTABLE, LoadState, Result, send_recorded
 
 ROUNDS = 8  # rounds per conversation, then a fresh one (the context stays ~1,100 tokens at most)
 NEW_TOKENS = (80, 120)  # new prompt tokens per round
@@ -44,7 +45,9 @@ async def conversation_loop(state: LoadState, conv: int, seed: int, request_time
                     r = Result(id=state.next_id, client=-1 - conv, prompt=history, max_tokens=MAX_TOKENS,
                                temperature=0.0, seed=None, stream=rnd % 2 == 0, conversation=cid, round=rnd)
                     state.next_id += 1
-                    if await send_recorded(http, state, r) and r.ok:
+                    sent = await send_recorded(http, state, r)
+                    await asyncio.sleep(state.think)
+                    if sent and r.ok:
                         history = history + r.token_ids
                         break
                 if not state.running():

@@ -4,7 +4,7 @@ Each client sends one request at a time (prompt as token ids, so the reference g
 sees exactly the same prompt): mixed prompt and output lengths, streamed or not, greedy or
 seeded sampling. A connection refused (the router is restarting) is retried before the request
 counts as sent, as a client behind a load balancer would; anything else that ends a request is
-recorded with its cause. The multi-round conversations (tests/chaos/soak_conversations.py) send
+recorded with its cause. The multi-round conversations (chaos/soak_conversations.py) send
 their rounds through the same `send_recorded`, so their rounds are results like any other.
 """
 
@@ -65,6 +65,7 @@ class LoadState:
     base_url: str
     router_gen: int = 0
     stop_at: float = 0.0  # the load runs until then, and on while faults are still being injected
+    think: float = 0.0  # seconds each client and conversation waits after a request before the next
     hard_stop_at: float = 0.0  # ... but never past this
     faults_done: bool = False
 
@@ -196,3 +197,4 @@ async def client_loop(state: LoadState, client: int, seed: int, request_timeout:
             r = draw_request(rng, state.next_id, client)
             state.next_id += 1
             await send_recorded(http, state, r)
+            await asyncio.sleep(state.think)

@@ -11,7 +11,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 COLORS = {"kill": "tab:red", "freeze": "tab:blue", "router_restart": "tab:purple", "inject": "tab:orange",
-          "partition": "tab:brown"}
+          "partition": "tab:brown", "partial_partition": "tab:olive"}
 
 
 def plot_timeline(report: dict, results, t0: float, path: pathlib.Path) -> None:

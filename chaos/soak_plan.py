@@ -23,9 +23,13 @@ INJECTIONS = {
     "misroute_kv=0.5": ("prefill",),
 }
 KINDS = ("kill", "freeze", "router_restart", "inject")
-# Only in hosts mode (every service in its own network namespace, tests/hosts): cut prefill#index
-# from decode#peer, both ways or one way, for `hold` seconds, then heal.
-HOST_KINDS = (*KINDS, "partition")
+# Only in hosts mode (every service in its own network namespace, services/launch/netns.py):
+# `partition` cuts prefill#index from decode#peer, both ways or one way, for `hold` seconds, then
+# heals; `partial_partition` cuts that one pair both ways while every other pair stays up, and
+# the soak checks that the router marks exactly that pair, that both workers keep serving
+# through their other peers, and that the mark clears after the heal.
+HOST_KINDS = (*KINDS, "partition", "partial_partition")
+CUTS = ("partition", "partial_partition")
 DIRECTIONS = ("both", "to_decode", "to_prefill")  # to_decode: prefill -> decode dropped only
 ROLES = ("prefill", "decode")
 
@@ -44,6 +48,8 @@ class Fault:
         if self.kind == "partition":
             arrow = {"both": "<-x->", "to_decode": "-x->", "to_prefill": "<-x-"}[self.spec]
             return f"partition prefill#{self.index} {arrow} decode#{self.peer} {self.hold:g}s"
+        if self.kind == "partial_partition":
+            return f"partial partition prefill#{self.index} <-x-> decode#{self.peer} only {self.hold:g}s"
         what = {"kill": "SIGKILL + restart", "freeze": f"SIGSTOP {self.hold:g}s",
                 "router_restart": "router restart", "inject": f"{self.spec} for {self.hold:g}s"}[self.kind]
         return f"{what} {self.role}#{self.index}" if self.kind != "router_restart" else what
@@ -75,6 +81,9 @@ def plan_faults(seed: int, duration: float, count: int, workers_per_role: int = 
         elif kind == "partition":
             faults.append(Fault(at, kind, "prefill", index, spec=rng.choice(DIRECTIONS), hold=partition_for,
                                 peer=rng.randrange(workers_per_role)))
+        elif kind == "partial_partition":
+            faults.append(Fault(at, kind, "prefill", index, spec="both", hold=partition_for,
+                                peer=rng.randrange(workers_per_role)))
         else:
             spec = rng.choice(sorted(INJECTIONS))
             faults.append(Fault(at, kind, rng.choice(INJECTIONS[spec]), index, spec=spec, hold=inject_for))
@@ -87,7 +96,8 @@ def parse_schedule(text: str, freeze_for: float = 8.0, inject_for: float = 10.0,
     (router_restart takes no role), e.g.
     `kill:decode:0@8,inject:prefill:0:stall_transfer~20@15,freeze:decode:1:~12@25,router_restart@40`;
     a partition (hosts mode) is `partition:P:D[:direction][~hold]@seconds`: prefill#P cut from
-    decode#D, direction both (default), to_decode or to_prefill, e.g. `partition:0:1~15@30`."""
+    decode#D, direction both (default), to_decode or to_prefill, e.g. `partition:0:1~15@30`; a
+    partial partition (only that pair cut, both ways) is `partial_partition:P:D[~hold]@seconds`."""
     faults = []
     for item in filter(None, (x.strip() for x in text.split(","))):
         what, _, at = item.partition("@")
@@ -97,10 +107,12 @@ def parse_schedule(text: str, freeze_for: float = 8.0, inject_for: float = 10.0,
         if kind == "router_restart":
             faults.append(Fault(float(at), kind, "router"))
             continue
-        if kind == "partition":
+        if kind in CUTS:
             body, _, seconds = what.partition("~")
             _, p, d, *direction = body.split(":")
             spec = direction[0] if direction else "both"
+            if kind == "partial_partition" and spec != "both":
+                raise ValueError(f"bad partial partition {item!r}: it cuts both ways (no direction)")
             if spec not in DIRECTIONS:
                 raise ValueError(f"bad partition {item!r}: direction in {DIRECTIONS}")
             faults.append(Fault(float(at), kind, "prefill", int(p), spec=spec,

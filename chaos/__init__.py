@@ -1,0 +1,1 @@
+"""The chaos soak (docs/chaos.md): `python -m chaos.soak`."""

@@ -37,6 +37,8 @@ import contextlib
 import secrets
 from collections.abc import AsyncIterator, Sequence
 
+import grpc
+
 from services.common.logging_setup import bound_contextvars, get_logger
 from services.common.metrics import Metrics
 from services.common.sampling_params import FIELDS as SAMPLING_FIELDS
@@ -97,8 +99,12 @@ def retry_avoids(failure: WorkerFailure, prefill: Worker, decode: Worker) -> set
     A failure on decode's stream is decode's own (its process or its room): prefill is not
     suspect, and avoiding it would push the retry towards the other prefills, one of which may be
     dead and not yet ejected. A failure reported by prefill may be caused by either side (a KV
-    transfer to a broken decode fails on prefill), so both are avoided.
+    transfer to a broken decode fails on prefill), so both are avoided. So is a KV integrity
+    failure (DATA_LOSS), though decode reports it: the pages were written by prefill and landed
+    on decode, and either side may have spoiled them (a misrouted WRITE, corrupt memory).
     """
+    if prefill is not None and failure.code == grpc.StatusCode.DATA_LOSS:
+        return {prefill, decode}
     if failure.worker is decode or prefill is None:
         return {decode}
     return {prefill, decode}
@@ -200,7 +206,8 @@ class Orchestrator:
                 ids = progress.ids()
                 prompt = RequestKeys(ids) if self.pool.cache_aware else None  # hashed once, for both roles
                 held = await self.pool.choose_pair(req.exclude, share.prefill if sharing else None, prompt,
-                                                   allow_local=allow_local and not sharing)
+                                                   allow_local=allow_local and not sharing,
+                                                   avoid_pairs=req.failed_pairs)
                 prefill, decode = held
                 path = "colocated" if self.pool.colocated else "local" if prefill is None else "pd"
                 if path == "local" and self.metrics is not None:

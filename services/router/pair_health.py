@@ -24,7 +24,7 @@ so a mark never turns a working mesh into 503s.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import grpc
@@ -96,9 +96,6 @@ class PairHealth:
     def marks(self) -> dict[tuple[Hashable, Hashable], Mark]:
         now = self.clock()
         return {k: m for k in list(self._marks) if (m := self._live(k, now)) is not None}
-
-    def unmarked(self, prefill: Hashable, decodes: Iterable[Hashable]) -> list:
-        return [d for d in decodes if not self.is_marked(prefill, d)]
 
     def touch(self, prefill: Hashable, decode: Hashable) -> None:
         """A request used the pair now (the canary tests pairs left idle)."""

@@ -429,7 +429,7 @@ class WorkerPool:
 
     async def choose_pair(
         self, exclude: Iterable[Worker] = (), prefill: Worker | None = None, prompt: RequestKeys | None = None,
-        allow_local: bool = False,
+        allow_local: bool = False, avoid_pairs: Iterable[tuple[Worker | None, Worker]] = (),
     ) -> PairLease:
         """A healthy (prefill, decode), avoiding `exclude` when another healthy worker exists;
         colocated: (None, decode). `prefill`: take that prefill while it is healthy and not
@@ -445,6 +445,11 @@ class WorkerPool:
         releases it (`PairLease.release()`, idempotent).
         """
         excluded = set(exclude)
+        failed = set(avoid_pairs)
+
+        def bad(p: Worker, d: Worker) -> bool:
+            return (p, d) in failed or self.pairs.is_marked(p, d)
+
         roles = (("decode", self.decodes),) if self.colocated else (("prefill", self.prefills), ("decode", self.decodes))
         for role, group in roles:
             if not any(w.healthy for w in group):
@@ -465,11 +470,11 @@ class WorkerPool:
         if self.colocated or local:
             prefill = None
         elif not (prefill is not None and prefill.healthy and prefill not in excluded and prefill in self.prefills):
-            prefill = self._policies["prefill"].choose(self._prefills_with_a_good_pair(excluded), load_of, match)
-        if prefill is not None and self.pairs.is_marked(prefill, decode):
+            prefill = self._policies["prefill"].choose(self._prefills_with_a_good_pair(excluded, bad), load_of, match)
+        if prefill is not None and bad(prefill, decode):
             # choose again among the pair's good decodes (not from the start among a shrunken list,
-            # whose round-robin would starve a worker); every pair marked: route anyway
-            good = self.pairs.unmarked(prefill, decodes)
+            # whose round-robin would starve a worker); every pair bad: route anyway
+            good = [d for d in decodes if not bad(prefill, d)]
             if good:
                 decode = self._policies["decode"].choose(good, load_of, match)
         prefill_lease = None
@@ -496,12 +501,12 @@ class WorkerPool:
         healthy = [w for w in group if w.healthy]
         return [w for w in healthy if w not in excluded] or healthy
 
-    def _prefills_with_a_good_pair(self, excluded: set[Worker]) -> list[Worker]:
-        """The candidate prefills that have at least one unmarked pair with a candidate decode
+    def _prefills_with_a_good_pair(self, excluded: set[Worker], bad: Callable[[Worker, Worker], bool]) -> list[Worker]:
+        """The candidate prefills that have at least one good pair with a candidate decode
         (all of them when none has: marks steer, they never refuse)."""
         prefills = self._candidates(self.prefills, excluded)
         decodes = self._candidates(self.decodes, excluded)
-        return [p for p in prefills if self.pairs.unmarked(p, decodes)] or prefills
+        return [p for p in prefills if any(not bad(p, d) for d in decodes)] or prefills
 
     def pairs_status(self) -> list[dict]:
         return [{"prefill": p.addr, "decode": d.addr, "reason": m.reason, "failures": m.failures}

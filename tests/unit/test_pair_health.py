@@ -132,3 +132,23 @@ def test_an_ejection_or_readmission_forgets_the_workers_pairs():
     pool.pairs.mark(p0, pool.decodes[1], "x")
     pool._mark(p0, True, "probe succeeded")
     assert set(pool.pairs.marks()) == {(pool.prefills[1], pool.decodes[1])}
+
+
+def test_a_request_avoids_the_pairs_it_failed_on_when_every_worker_is_excluded():
+    # 2x2 with one bad prefill and one bad decode: after failing on (p0, d1) and (p1, d0) the
+    # request has excluded all four workers, and concurrent successes cleared the pool's marks;
+    # its own failed pairs still steer every retry to the two pairs it has not tried
+    pool = pool_of(2, 2)
+    p0, p1 = pool.prefills
+    d0, d1 = pool.decodes
+    failed = {(p0, d1), (p1, d0)}
+
+    async def run():
+        out = set()
+        for _ in range(20):
+            pair = await pool.choose_pair(exclude={p0, p1, d0, d1}, avoid_pairs=failed)
+            pair.release()
+            out.add(tuple(pair))
+        return out
+
+    assert asyncio.run(run()) == {(p0, d0), (p1, d1)}

@@ -54,3 +54,11 @@ def test_retry_avoids_prefill_only_when_prefill_reported_the_failure():
     assert retry_avoids(WorkerFailure(d, grpc.StatusCode.UNAVAILABLE, "connection reset"), p, d) == {d}
     # prefill failed the room: the KV transfer may have broken on decode's side, so both
     assert retry_avoids(WorkerFailure(p, grpc.StatusCode.UNAVAILABLE, "room 7: transfer failed"), p, d) == {p, d}
+
+
+def test_a_kv_integrity_failure_suspects_both_sides():
+    # decode reports the checksum mismatch, but prefill wrote the pages: a misrouted WRITE is
+    # prefill's fault, corrupt memory decode's, and the router cannot tell them apart
+    p, d = Worker("prefill", "p:1"), Worker("decode", "d:1")
+    assert retry_avoids(WorkerFailure(d, grpc.StatusCode.DATA_LOSS, "room 7: KV checksum mismatch"), p, d) == {p, d}
+    assert retry_avoids(WorkerFailure(d, grpc.StatusCode.DATA_LOSS, "KV checksum mismatch"), None, d) == {d}

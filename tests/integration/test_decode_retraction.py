@@ -31,7 +31,10 @@ def reference_model():
 
 def test_pool_exhaustion_retracts_and_resumes_with_identical_tokens(mesh, reference_model):
     p = mesh.start_prefill(wait=False)
-    d = mesh.start_decode("--num-pages", str(PAGES), "--page-size", str(PAGE), wait=False)
+    # each decode step sleeps 50 ms (no CPU), so the six requests overlap however slowly a loaded
+    # machine prefills them: retraction needs them running together, not one after another
+    d = mesh.start_decode("--num-pages", str(PAGES), "--page-size", str(PAGE), "--faults", "delay_forward=0.05",
+                          wait=False)
     mesh.wait_healthy(p)
     mesh.wait_healthy(d)
     rng = random.Random(11)

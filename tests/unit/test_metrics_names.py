@@ -135,8 +135,7 @@ def test_gen_throughput_gauge_follows_generated_tokens():
 
 
 # What SGLang's own Grafana dashboard (examples/monitoring/grafana/dashboards/json/
-# sglang-dashboard.json) queries, panel by panel. Its cache-hit-rate panel reads
-# cache_hit_rate, which the prefix cache exports.
+# sglang-dashboard.json) queries, panel by panel: its eight panels, listed in docs/deploy.md.
 SGLANG_DASHBOARD_PANELS = {
     "End-to-End Request Latency": ("e2e_request_latency_seconds_bucket", "e2e_request_latency_seconds_sum",
                                    "e2e_request_latency_seconds_count"),
@@ -146,6 +145,7 @@ SGLANG_DASHBOARD_PANELS = {
     "Time-To-First-Token Seconds Heatmap": ("time_to_first_token_seconds_bucket",),
     "Num Running Requests": ("num_running_reqs",),
     "Token Generation Throughput (Tokens / S)": ("gen_throughput",),
+    "Cache Hit Rate": ("cache_hit_rate",),
     "Number Queued Requests": ("num_queue_reqs",),
 }
 

@@ -53,7 +53,8 @@ WORKER_FLAGS = [
     Flag("worker-id", str, "", "stable name of this worker in logs and metrics (default: role-host-port)"),
     Flag("served-model-name", str, "",
          "the model's name in metrics (model_name label), as clients and the router call it; set it like "
-         "the router's flag of the same name (default: the model folder's name)"),
+         "the router's flag of the same name (of a comma-separated list, the first; default: the model "
+         "folder's name)"),
     Flag("page-size", int, 16, "tokens per KV page"),
     Flag("num-pages", int, 0,
          "KV pages in this worker's pool (allocated once at start); 0: sized from --kv-cache-memory-bytes, else "

@@ -12,9 +12,12 @@ BUILTIN_MODEL_NAME = "pdmesh-tiny"
 
 
 def served_name(model: str, explicit: str = "") -> str:
-    """--served-model-name, else the model folder's name ('pdmesh-tiny' for the built-in ones)."""
-    if explicit:
-        return explicit
+    """--served-model-name, else the model folder's name ('pdmesh-tiny' for the built-in ones).
+    Of a comma-separated list the first: every role reads the same PDMESH_SERVED_MODEL_NAME, and
+    the router's (repeatable) flag labels its metrics with the first of the names it serves."""
+    first = next((n.strip() for n in explicit.split(",") if n.strip()), "")
+    if first:
+        return first
     if model in BUILTIN_NAMES:
         return BUILTIN_MODEL_NAME
     return Path(model).resolve().name or model

@@ -364,6 +364,34 @@ def test_ports_and_addresses_agree(base_cfg):
     assert {str(p["target"]) for p in s["grafana"]["ports"]} == {"3000"}
 
 
+def _seconds(duration: str) -> float:
+    """A compose duration as `docker compose config` writes it: 1m10s, 40s, 1.5s."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 1e-3}
+    parts = re.findall(r"([0-9.]+)(ms|h|m|s)", str(duration))
+    assert parts and "".join(n + u for n, u in parts) == str(duration), duration
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def test_stops_drain_within_the_stop_grace_period():
+    """docker stop waits stop_grace_period before SIGKILL: the router's --shutdown-timeout and a
+    worker's --drain-timeout, with the supervisor's margin, fit inside it, in both compose files."""
+    from services.router.processes import STOP_MARGIN
+
+    env = read_env_file()
+    for name, svc in compose_config(COMPOSE, COMPOSE_1P2D)["services"].items():
+        argv = svc.get("command") or []
+        role = role_of(argv)
+        if role not in ROLES:
+            continue
+        flag = "shutdown-timeout" if role == "router" else "drain-timeout"
+        (f,) = [f for f in ROLE_FLAGS[role] if f.name == flag]
+        if f"--{flag}" in argv:
+            timeout = float(argv[argv.index(f"--{flag}") + 1])
+        else:
+            timeout = float((svc.get("environment") or {}).get(f.env) or env.get(f.env) or f.default)
+        assert timeout + STOP_MARGIN <= _seconds(svc["stop_grace_period"]), (name, timeout, svc["stop_grace_period"])
+
+
 def test_cpu_override_removes_the_gpus_and_switches_to_the_cpu_build(tmp_path):
     cfg = cpu_config(tmp_path)
     assert set(cfg["services"]) == {"internal-token", "router", "prefill", "decode", "prometheus", "grafana"}

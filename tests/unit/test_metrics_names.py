@@ -77,6 +77,21 @@ def test_every_role_labels_the_model_it_is_given():
         assert {s.labels["model_name"] for s in families(m)["pdmesh:up"].samples} == {"served-name"}
 
 
+def test_one_served_name_setting_gives_every_role_the_same_model_name(monkeypatch):
+    """The env file gives every role the same PDMESH_SERVED_MODEL_NAME; with several names the
+    router labels its metrics with the first, and so must the workers."""
+    from services.common.config import DecodeSettings, RouterSettings, parse_settings
+    from services.common.model_name import served_name
+    from services.router import model_controls
+
+    monkeypatch.setenv("PDMESH_SERVED_MODEL_NAME", "team-model, team-model-v2")
+    router = parse_settings(RouterSettings, "router", "test", [])
+    worker = parse_settings(DecodeSettings, "decode", "test", [])
+    router_name = model_controls.served_names(router.model, router.served_model_name, served_name(router.model))[0]
+    assert served_name(worker.model, worker.served_model_name) == router_name == "team-model"
+    assert served_name("builtin", "") == served_name("builtin", " , ") == "pdmesh-tiny"
+
+
 def test_itl_buckets_resolve_one_to_ten_milliseconds():
     inside = [b for b in ITL_BUCKETS if 0.001 <= b <= 0.010]
     assert len(inside) >= 10 and all(round(b2 - b1, 6) <= 0.001 for b1, b2 in zip(inside, inside[1:], strict=False))
@@ -120,8 +135,7 @@ def test_gen_throughput_gauge_follows_generated_tokens():
 
 
 # What SGLang's own Grafana dashboard (examples/monitoring/grafana/dashboards/json/
-# sglang-dashboard.json) queries, panel by panel. Its cache-hit-rate panel reads
-# cache_hit_rate, which the prefix cache exports.
+# sglang-dashboard.json) queries, panel by panel: its eight panels, listed in docs/deploy.md.
 SGLANG_DASHBOARD_PANELS = {
     "End-to-End Request Latency": ("e2e_request_latency_seconds_bucket", "e2e_request_latency_seconds_sum",
                                    "e2e_request_latency_seconds_count"),
@@ -131,6 +145,7 @@ SGLANG_DASHBOARD_PANELS = {
     "Time-To-First-Token Seconds Heatmap": ("time_to_first_token_seconds_bucket",),
     "Num Running Requests": ("num_running_reqs",),
     "Token Generation Throughput (Tokens / S)": ("gen_throughput",),
+    "Cache Hit Rate": ("cache_hit_rate",),
     "Number Queued Requests": ("num_queue_reqs",),
 }
 

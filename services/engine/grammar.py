@@ -30,6 +30,7 @@ import time
 from collections.abc import Hashable, Sequence
 
 import llguidance
+
 # The numpy helpers, not llguidance.torch: that module wraps a kernel in torch.compile at import,
 # which loads torch._dynamo (about a second of every worker's start) for a function not used here.
 import llguidance.numpy

@@ -44,7 +44,9 @@ def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
-class Worker(asyncio.Protocol):
+class FakeSglangConnection(asyncio.Protocol):
+    """One HTTP connection to the fake SGLang worker (an asyncio protocol per client socket)."""
+
     role = "decode"
     log_paths = False
     seen: set[str] = set()
@@ -117,8 +119,8 @@ class Worker(asyncio.Protocol):
 
 async def serve(port: int) -> None:
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(Worker, "127.0.0.1", port, backlog=1024)
-    print(f"fake sglang {Worker.role} on 127.0.0.1:{port}", flush=True)
+    server = await loop.create_server(FakeSglangConnection, "127.0.0.1", port, backlog=1024)
+    print(f"fake sglang {FakeSglangConnection.role} on 127.0.0.1:{port}", flush=True)
     async with server:
         await server.serve_forever()
 
@@ -129,7 +131,7 @@ def main() -> None:
     ap.add_argument("--role", choices=("prefill", "decode"), required=True)
     ap.add_argument("--log-paths", action="store_true", help="print each new method + path to stderr")
     args = ap.parse_args()
-    Worker.role, Worker.log_paths = args.role, args.log_paths
+    FakeSglangConnection.role, FakeSglangConnection.log_paths = args.role, args.log_paths
     try:
         import uvloop
         uvloop.run(serve(args.port))

@@ -35,7 +35,7 @@ from services.common.logging_setup import get_logger
 from services.common.prompt_logprobs import PromptLogprobs, from_pb
 from services.common.refusal import Refusal, refusal_of
 from services.router.leases import PairLease
-from services.router.pool import Worker, WorkerPool
+from services.router.pool import WorkerHandle, WorkerPool
 
 log = get_logger("router.attempt")
 # how long the first token waits for prefill's reply to report its top_logprobs alternatives
@@ -57,13 +57,13 @@ class WorkerFailure(Exception):
     """An attempt that cannot succeed. kind: error | ejected | stalled | ended; `refusal`: the
     worker's reason when it refused the call (services/common/refusal.py)."""
 
-    def __init__(self, worker: Worker, code: grpc.StatusCode | None, details: str, kind: str = "error",
+    def __init__(self, worker: WorkerHandle, code: grpc.StatusCode | None, details: str, kind: str = "error",
                  refusal: Refusal = Refusal.UNSPECIFIED):
         super().__init__(f"{worker!r}: {code.name if code else kind.upper()}: {details}")
         self.worker, self.code, self.details, self.kind, self.refusal = worker, code, details, kind, refusal
 
 
-def rpc_failure(worker: Worker, exc: BaseException) -> WorkerFailure:
+def rpc_failure(worker: WorkerHandle, exc: BaseException) -> WorkerFailure:
     if isinstance(exc, grpc.aio.AioRpcError):
         return WorkerFailure(worker, exc.code(), exc.details() or "", refusal=refusal_of(exc))
     if isinstance(exc, asyncio.CancelledError):
@@ -137,7 +137,7 @@ class Attempt:
         self._prefill_task = asyncio.ensure_future(self._run_prefill())
         self._prefill_task.add_done_callback(self._prefill_done)
         self._read: asyncio.Future | None = None
-        self._down: set[Worker] = set()  # this attempt's workers the pool has ejected
+        self._down: set[WorkerHandle] = set()  # this attempt's workers the pool has ejected
         self._ejected: asyncio.Future = loop.create_future()  # wakes next() when _down grows
         self._unwatch = pool.watch(self._on_ejected)
         self._last_heard = loop.time()  # the stall clock: last chunk of any kind (or the start)
@@ -160,7 +160,7 @@ class Attempt:
                         prefill=self.prefill.addr, error=str(failure)[:300])
             self.pool.report_failure(self.prefill, failure.code)
 
-    def _on_ejected(self, worker: Worker) -> None:
+    def _on_ejected(self, worker: WorkerHandle) -> None:
         if worker is self.decode or worker is self.prefill:
             self._down.add(worker)
             if not self._ejected.done():

@@ -16,12 +16,12 @@ from typing import Any
 import grpc
 
 from services.router.errors import APIError
-from services.router.pool import Worker, WorkerPool
+from services.router.pool import WorkerHandle, WorkerPool
 
 RESET_TIMEOUT_S = 5.0
 
 
-async def _reset_one(w: Worker, timeout: float) -> dict[str, Any]:
+async def _reset_one(w: WorkerHandle, timeout: float) -> dict[str, Any]:
     out: dict[str, Any] = {"worker": repr(w)}
     try:
         reply = await w.transport.reset_prefix_cache(timeout)

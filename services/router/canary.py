@@ -31,7 +31,7 @@ from services.common.sampling_params import SamplingParams
 from services.common.wire import params_to_pb
 from services.router.attempt import Attempt, WorkerFailure
 from services.router.leases import PairLease
-from services.router.pool import Worker, WorkerPool
+from services.router.pool import WorkerHandle, WorkerPool
 
 log = get_logger("router.canary")
 
@@ -47,8 +47,8 @@ class Canary:
         self.clock = clock
         self._new_room = new_room
         self._started = clock()
-        self._last_sent: dict[tuple[Worker, Worker], float] = {}
-        self._running: dict[tuple[Worker, Worker], asyncio.Task] = {}
+        self._last_sent: dict[tuple[WorkerHandle, WorkerHandle], float] = {}
+        self._running: dict[tuple[WorkerHandle, WorkerHandle], asyncio.Task] = {}
         self._task: asyncio.Task | None = None
         self.params = params_to_pb(SamplingParams(temperature=0.0, max_tokens=1, seed=0, ignore_eos=True))
 
@@ -64,7 +64,7 @@ class Canary:
             with contextlib.suppress(BaseException):
                 await t
 
-    def due(self) -> list[tuple[Worker, Worker]]:
+    def due(self) -> list[tuple[WorkerHandle, WorkerHandle]]:
         """The healthy pairs that need a canary now."""
         now = self.clock()
         out = []
@@ -95,7 +95,7 @@ class Canary:
             except Exception as e:  # noqa: BLE001 - the canary loop must never die
                 log.error("canary loop error", error=repr(e))
 
-    async def probe(self, prefill: Worker, decode: Worker) -> bool:
+    async def probe(self, prefill: WorkerHandle, decode: WorkerHandle) -> bool:
         """One canary on the pair; marks or clears it. True when it passed."""
         structlog.contextvars.clear_contextvars()
         loop = asyncio.get_running_loop()
@@ -139,7 +139,7 @@ class Canary:
                             error=error[:300])
         return passed
 
-    def _count(self, prefill: Worker, decode: Worker, passed: bool, seconds: float) -> None:
+    def _count(self, prefill: WorkerHandle, decode: WorkerHandle, passed: bool, seconds: float) -> None:
         if self.metrics is None:
             return
         self.metrics.inc(self.metrics.canary_requests, prefill=prefill.addr, decode=decode.addr,

@@ -31,7 +31,7 @@ SHARE_INTERVAL = 0.02  # seconds between exchanges with the router's other proce
 
 
 class Counted(Protocol):
-    """A worker as the view publishes it (pool.Worker)."""
+    """A worker as the view publishes it (pool.WorkerHandle)."""
 
     key: int
     inflight: int

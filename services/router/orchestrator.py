@@ -49,7 +49,7 @@ from services.router.errors import APIError, bad_request, deadline_exceeded, ups
 from services.router.leases import PairLease
 from services.router.migration import Progress, migration_reason
 from services.router.pair_health import pair_failure
-from services.router.pool import Worker, WorkerPool
+from services.router.pool import WorkerHandle, WorkerPool
 from services.router.prefix_index import RequestKeys
 from services.router.protocol import GenerateSpec
 from services.router.recovery_policy import Action, FailureKind, classify, decide, next_status
@@ -93,7 +93,7 @@ def sampling_params(spec: GenerateSpec, eos_ids: Sequence[int]) -> SamplingParam
     )  # num_generated: 0 on a first attempt; migration.Progress sets it for a continuation
 
 
-def retry_avoids(failure: WorkerFailure, prefill: Worker, decode: Worker) -> set[Worker]:
+def retry_avoids(failure: WorkerFailure, prefill: WorkerHandle, decode: WorkerHandle) -> set[WorkerHandle]:
     """Workers the next attempt should avoid.
 
     A failure on decode's stream is decode's own (its process or its room): prefill is not
@@ -151,7 +151,7 @@ class Orchestrator:
                                f"{failure.code.name if failure.code else failure.kind.upper()}: "
                                f"{failure.details}")
 
-    def _check_capacity(self, refused: set[Worker], spec: GenerateSpec, progress: Progress) -> None:
+    def _check_capacity(self, refused: set[WorkerHandle], spec: GenerateSpec, progress: Progress) -> None:
         """400 once every healthy worker of a role has refused the request for capacity."""
         for role, group in (("prefill", self.pool.prefills), ("decode", self.pool.decodes)):
             healthy = [w for w in group if w.healthy]
@@ -268,8 +268,8 @@ class Orchestrator:
                 held.release()
             req.finish(loop.time(), error="" if completed else ended)  # a no-op when it ended above
 
-    def _recover(self, req: RequestState, failure: WorkerFailure, room: int, prefill: Worker | None,
-                 decode: Worker, deadline: float, timeout: float) -> None:
+    def _recover(self, req: RequestState, failure: WorkerFailure, room: int, prefill: WorkerHandle | None,
+                 decode: WorkerHandle, deadline: float, timeout: float) -> None:
         """Act on a failed attempt as recovery_policy decides: skip the worker, fail over or
         migrate (the request's next status), or raise the client's error."""
         status = req.status
@@ -304,7 +304,7 @@ class Orchestrator:
             log.warning("attempt failed; failing over", room=room, attempt=req.attempts, error=str(failure)[:500],
                         request_status=status.value, tokens_sent=len(req.progress.generated))
 
-    def _judge_pair(self, failure: WorkerFailure, prefill: Worker | None, decode: Worker, produced: bool,
+    def _judge_pair(self, failure: WorkerFailure, prefill: WorkerHandle | None, decode: WorkerHandle, produced: bool,
                     deadline: float) -> None:
         """Mark the pair when the attempt's KV path failed while both workers may still be fine;
         if one of them is really gone, its ejection drops the mark again (pool._mark)."""

@@ -76,7 +76,11 @@ NO_PEERS = PeerView()
 
 
 @dataclass(eq=False)
-class Worker:
+class WorkerHandle:
+    """The router's handle on one worker process: where it is, what the router last learned of
+    its health and load, and its calls. The processes themselves are services/prefill/worker.py
+    and services/decode/worker.py."""
+
     role: str  # "prefill" | "decode"
     addr: str  # resolved host:port (what decode is told to attach to)
     spec: str = ""  # the --prefill/--decode value it came from
@@ -107,7 +111,7 @@ class Worker:
         self.inflight += delta
 
 
-def load_of(w: Worker) -> int:
+def load_of(w: WorkerHandle) -> int:
     """What the policies compare: our requests on the worker plus everyone else's."""
     return w.inflight + w.peer_inflight + w.external_load
 
@@ -123,7 +127,7 @@ class PrefixMatch:
     def total(self) -> int:
         return len(self.keys)
 
-    def matched(self, w: Worker) -> int:
+    def matched(self, w: WorkerHandle) -> int:
         size = w.prefix_page_size
         if not size:
             return 0
@@ -159,9 +163,9 @@ class WorkerPool:
         self.specs = {"prefill": list(dict.fromkeys(prefill_addrs)), "decode": list(dict.fromkeys(decode_addrs))}
         for spec in (*self.specs["prefill"], *self.specs["decode"]):
             split_host_port(spec)  # a malformed address fails at start, not at the first request
-        self.prefills: list[Worker] = []
-        self.decodes: list[Worker] = []
-        self._retired: list[Worker] = []  # left the rotation; channel closes when idle
+        self.prefills: list[WorkerHandle] = []
+        self.decodes: list[WorkerHandle] = []
+        self._retired: list[WorkerHandle] = []  # left the rotation; channel closes when idle
         self.dns_refresh_interval = dns_refresh_interval
         self._resolver = resolver
         self._policies = {"prefill": make_policy(policy, thresholds=cache_thresholds),
@@ -176,13 +180,13 @@ class WorkerPool:
         self.timeout = timeout
         self.failure_threshold = max(1, failure_threshold)
         self._task: asyncio.Task | None = None
-        self._probing: dict[Worker, asyncio.Task] = {}
+        self._probing: dict[WorkerHandle, asyncio.Task] = {}
         self._background: set[asyncio.Task] = set()
-        self._watchers: set[Callable[[Worker], None]] = set()
+        self._watchers: set[Callable[[WorkerHandle], None]] = set()
         self.leases = Ledger()  # the in-flight counts handed out by reserve() and not yet released
 
     @property
-    def workers(self) -> list[Worker]:
+    def workers(self) -> list[WorkerHandle]:
         return [*self.prefills, *self.decodes]
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -195,7 +199,7 @@ class WorkerPool:
         await self.probe_all()
         self._task = asyncio.create_task(self._loop(), name="router-health")
 
-    def _connect(self, w: Worker) -> Worker:
+    def _connect(self, w: WorkerHandle) -> WorkerHandle:
         w.transport = connect(w.role, w.addr, self.lane, on_failure=lambda code, w=w: self.report_failure(w, code))
         self._set_gauge(w)
         return w
@@ -207,7 +211,7 @@ class WorkerPool:
             if failed:
                 log.warning("worker address does not resolve; keeping its known workers", role=role, specs=failed)
             current = {w.addr: w for w in group}
-            keep = [current.get(addr) or self._connect(Worker(role, addr, spec=spec)) for addr, spec in found]
+            keep = [current.get(addr) or self._connect(WorkerHandle(role, addr, spec=spec)) for addr, spec in found]
             keep += [w for w in group if w.spec in failed and w not in keep]
             for w in group:
                 if w not in keep:
@@ -222,7 +226,7 @@ class WorkerPool:
             self.load.retire(w)  # no longer published: leave it at rest
             await self._disconnect(w)
 
-    def _retire(self, w: Worker) -> None:
+    def _retire(self, w: WorkerHandle) -> None:
         w.healthy = False
         self.pairs.forget(w)
         self.index.forget(w)
@@ -241,7 +245,7 @@ class WorkerPool:
             await self._disconnect(w)
 
     @staticmethod
-    async def _disconnect(w: Worker) -> None:
+    async def _disconnect(w: WorkerHandle) -> None:
         if w.transport is not None:
             await w.transport.close()
 
@@ -272,10 +276,10 @@ class WorkerPool:
 
     # --- probing -------------------------------------------------------------------------------
 
-    async def probe_all(self, workers: Iterable[Worker] | None = None) -> None:
+    async def probe_all(self, workers: Iterable[WorkerHandle] | None = None) -> None:
         await asyncio.gather(*(self.probe(w) for w in (self.workers if workers is None else workers)))
 
-    async def probe(self, worker: Worker) -> bool:
+    async def probe(self, worker: WorkerHandle) -> bool:
         """One probe of `worker` (True if it serves); concurrent callers share a probe in flight."""
         task = self._probing.get(worker)
         if task is None:
@@ -284,7 +288,7 @@ class WorkerPool:
             task.add_done_callback(lambda _t, w=worker: self._probing.pop(w, None))
         return await asyncio.shield(task)
 
-    async def _probe(self, w: Worker) -> bool:
+    async def _probe(self, w: WorkerHandle) -> bool:
         # this task's context was copied from whichever request asked first; the probe is not its
         structlog.contextvars.unbind_contextvars("room", "request_id")
         try:
@@ -314,7 +318,7 @@ class WorkerPool:
                 self._mark(w, False, error)
         return ok
 
-    async def _read_load(self, w: Worker) -> str:
+    async def _read_load(self, w: WorkerHandle) -> str:
         """The worker's load and protocol versions; returns why the router cannot use the worker:
         it refuses the router's internal token, or its protocol version does not fit ("" if fine)."""
         request = wpb.LoadRequest(protocol_version=PROTOCOL_VERSION, min_protocol_version=MIN_PEER_VERSION)
@@ -342,7 +346,7 @@ class WorkerPool:
         self._set_incompatible(w, problem)
         return problem
 
-    def _note_epoch(self, w: Worker, epoch: int, page_size: int) -> None:
+    def _note_epoch(self, w: WorkerHandle, epoch: int, page_size: int) -> None:
         """A new epoch is a restarted worker with an empty cache; a new page size (or the cache
         turned off) makes the keys the router holds for it meaningless: either way they go."""
         if (w.epoch and epoch != w.epoch) or page_size != w.prefix_page_size:
@@ -352,7 +356,7 @@ class WorkerPool:
                          target=w.addr, old_epoch=w.epoch, epoch=epoch, index_pages=dropped)
         w.epoch, w.prefix_page_size = epoch, page_size
 
-    def _set_incompatible(self, w: Worker, problem: str) -> None:
+    def _set_incompatible(self, w: WorkerHandle, problem: str) -> None:
         if problem and problem != w.incompatible:
             log.error("worker ejected: incompatible protocol version", role=w.role, target=w.addr, reason=problem,
                       router_protocol_version=PROTOCOL_VERSION)
@@ -360,7 +364,7 @@ class WorkerPool:
             log.info("worker protocol version now compatible", role=w.role, target=w.addr)
         w.incompatible = problem
 
-    def _mark(self, w: Worker, healthy: bool, why: str) -> None:
+    def _mark(self, w: WorkerHandle, healthy: bool, why: str) -> None:
         w.healthy = healthy
         w.last_change = time.time()
         self.pairs.forget(w)  # its own health rules now; back in the pool (maybe restarted), its pairs start clean
@@ -380,16 +384,16 @@ class WorkerPool:
                 except Exception as e:  # noqa: BLE001 - one bad listener must not hide the ejection from others
                     log.error("ejection listener failed", error=repr(e))
 
-    def watch(self, notify: Callable[[Worker], None]) -> Callable[[], None]:
+    def watch(self, notify: Callable[[WorkerHandle], None]) -> Callable[[], None]:
         """Call notify(worker) whenever a worker is ejected; returns the unsubscribe function."""
         self._watchers.add(notify)
         return lambda: self._watchers.discard(notify)
 
-    def _set_gauge(self, w: Worker) -> None:
+    def _set_gauge(self, w: WorkerHandle) -> None:
         if self.metrics is not None:
             self.metrics.worker_healthy.labels(**self.metrics.labels, target=w.addr).set(1 if w.healthy else 0)
 
-    def report_failure(self, w: Worker, code: grpc.StatusCode | None) -> None:
+    def report_failure(self, w: WorkerHandle, code: grpc.StatusCode | None) -> None:
         """A request failed on `w`. UNAVAILABLE may mean the worker is gone: probe it now, and
         eject it at once if the probe fails too."""
         if code == grpc.StatusCode.UNAVAILABLE:
@@ -397,7 +401,7 @@ class WorkerPool:
         elif code == grpc.StatusCode.UNAUTHENTICATED:
             self.confirm(w, "request failed with UNAUTHENTICATED")
 
-    def confirm(self, w: Worker, why: str) -> None:
+    def confirm(self, w: WorkerHandle, why: str) -> None:
         """Something says `w` may be gone (`why`): probe it now, and eject it if the probe fails."""
         if not w.healthy:
             return
@@ -419,7 +423,7 @@ class WorkerPool:
         return max((min(w.capacity_tokens, w.max_model_len or w.capacity_tokens)
                     for w in self.decodes if w.healthy and w.capacity_tokens), default=None)
 
-    def reserve(self, worker: Worker) -> Lease:
+    def reserve(self, worker: WorkerHandle) -> Lease:
         """One in-flight count on `worker` (its load for the policies and the other router
         processes), held until the lease is released (exactly once, services/router/leases.py)."""
         return Lease(worker._count_inflight, 1, self.leases)
@@ -428,8 +432,8 @@ class WorkerPool:
         return (self.colocated or any(w.healthy for w in self.prefills)) and any(w.healthy for w in self.decodes)
 
     async def choose_pair(
-        self, exclude: Iterable[Worker] = (), prefill: Worker | None = None, prompt: RequestKeys | None = None,
-        allow_local: bool = False, avoid_pairs: Iterable[tuple[Worker | None, Worker]] = (),
+        self, exclude: Iterable[WorkerHandle] = (), prefill: WorkerHandle | None = None, prompt: RequestKeys | None = None,
+        allow_local: bool = False, avoid_pairs: Iterable[tuple[WorkerHandle | None, WorkerHandle]] = (),
     ) -> PairLease:
         """A healthy (prefill, decode), avoiding `exclude` when another healthy worker exists;
         colocated: (None, decode). `prefill`: take that prefill while it is healthy and not
@@ -447,7 +451,7 @@ class WorkerPool:
         excluded = set(exclude)
         failed = set(avoid_pairs)
 
-        def bad(p: Worker, d: Worker) -> bool:
+        def bad(p: WorkerHandle, d: WorkerHandle) -> bool:
             return (p, d) in failed or self.pairs.is_marked(p, d)
 
         roles = (("decode", self.decodes),) if self.colocated else (("prefill", self.prefills), ("decode", self.decodes))
@@ -489,7 +493,7 @@ class WorkerPool:
             self.remember(prefill, prompt)
         return PairLease(prefill, decode, prefill_lease, decode_lease)
 
-    def remember(self, w: Worker, ids: RequestKeys) -> None:
+    def remember(self, w: WorkerHandle, ids: RequestKeys) -> None:
         """`w` was sent `ids` (a prompt; on decode, after the request, its prompt + reply): its
         prefix cache should hold their full pages now."""
         if self.cache_aware and w.prefix_page_size:
@@ -497,11 +501,11 @@ class WorkerPool:
             self.index.insert(w, ids.for_page_size(size), cap=w.capacity_tokens // size)
 
     @staticmethod
-    def _candidates(group: list[Worker], excluded: set[Worker]) -> list[Worker]:
+    def _candidates(group: list[WorkerHandle], excluded: set[WorkerHandle]) -> list[WorkerHandle]:
         healthy = [w for w in group if w.healthy]
         return [w for w in healthy if w not in excluded] or healthy
 
-    def _prefills_with_a_good_pair(self, excluded: set[Worker], bad: Callable[[Worker, Worker], bool]) -> list[Worker]:
+    def _prefills_with_a_good_pair(self, excluded: set[WorkerHandle], bad: Callable[[WorkerHandle, WorkerHandle], bool]) -> list[WorkerHandle]:
         """The candidate prefills that have at least one good pair with a candidate decode
         (all of them when none has: marks steer, they never refuse)."""
         prefills = self._candidates(self.prefills, excluded)
@@ -524,7 +528,7 @@ class WorkerPool:
         return ". ".join(reasons)
 
     def status(self) -> dict:
-        def one(w: Worker) -> dict:
+        def one(w: WorkerHandle) -> dict:
             return {
                 "healthy": w.healthy,
                 "inflight": w.inflight,

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from services.router.migration import Progress
 
 if TYPE_CHECKING:
-    from services.router.pool import Worker
+    from services.router.pool import WorkerHandle
     from services.router.protocol import GenerateSpec
 
 
@@ -83,7 +83,7 @@ class PrefillShare:
     """What the n choices of one request share on their first attempt (services/router/fanout.py)."""
 
     key: int  # PrefillRequest.share_key: non-zero, random per request
-    prefill: Worker | None = None  # the prefill the first choice drew; the others ask for it
+    prefill: WorkerHandle | None = None  # the prefill the first choice drew; the others ask for it
 
 
 @dataclass(slots=True)

@@ -1,7 +1,7 @@
 """How the router talks to one worker: the `WorkerTransport` interface and its two implementations.
 
 The request logic (services/router/attempt.py) starts a worker's calls as plain grpc.aio calls
-through `Worker.transport` and never learns how they travel:
+through `WorkerHandle.transport` and never learns how they travel:
 
 - `prefill(request, timeout)` → a `PrefillCall`: awaited for its PrefillReply, `cancel()`;
 - `decode(request, timeout)` → a `DecodeCall`: `read()` the next DecodeChunk until

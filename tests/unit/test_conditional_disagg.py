@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from services.router.conditional_disagg import goes_local
-from services.router.pool import Worker, WorkerPool
+from services.router.pool import WorkerHandle, WorkerPool
 from services.router.prefix_index import RequestKeys
 
 P = 4
@@ -29,12 +29,12 @@ def test_nothing_held_no_cache_or_the_rule_off_goes_pd():
 
 def pool_of(prefills: int, decodes: int, policy: str = "cache_aware", **kw) -> WorkerPool:
     pool = WorkerPool([], [], policy=policy, lane=False, **kw)
-    pool.prefills = [Worker("prefill", f"p{i}:1", healthy=True, prefix_page_size=P) for i in range(prefills)]
-    pool.decodes = [Worker("decode", f"d{i}:1", healthy=True, prefix_page_size=P) for i in range(decodes)]
+    pool.prefills = [WorkerHandle("prefill", f"p{i}:1", healthy=True, prefix_page_size=P) for i in range(prefills)]
+    pool.decodes = [WorkerHandle("decode", f"d{i}:1", healthy=True, prefix_page_size=P) for i in range(decodes)]
     return pool
 
 
-def route(pool: WorkerPool, ids: list[int], allow_local: bool = True, **kw) -> tuple[Worker | None, Worker]:
+def route(pool: WorkerPool, ids: list[int], allow_local: bool = True, **kw) -> tuple[WorkerHandle | None, WorkerHandle]:
     async def run():
         pair = await pool.choose_pair(prompt=RequestKeys(ids), allow_local=allow_local, **kw)
         prefill, decode = pair

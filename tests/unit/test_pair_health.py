@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from services.router.pair_health import PairHealth, pair_failure
-from services.router.pool import Worker, WorkerPool
+from services.router.pool import WorkerHandle, WorkerPool
 
 
 class Clock:
@@ -79,8 +79,8 @@ def test_which_failures_count_against_the_pair(code, kind, produced, at_deadline
 
 def pool_of(prefills: int, decodes: int) -> WorkerPool:
     pool = WorkerPool([], [], policy="round_robin", lane=False)
-    pool.prefills = [Worker("prefill", f"p{i}:1", healthy=True) for i in range(prefills)]
-    pool.decodes = [Worker("decode", f"d{i}:1", healthy=True) for i in range(decodes)]
+    pool.prefills = [WorkerHandle("prefill", f"p{i}:1", healthy=True) for i in range(prefills)]
+    pool.decodes = [WorkerHandle("decode", f"d{i}:1", healthy=True) for i in range(decodes)]
     return pool
 
 

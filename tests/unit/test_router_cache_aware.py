@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from services.router.policy import CacheAware, CacheThresholds, make_policy
-from services.router.pool import Worker, WorkerPool
+from services.router.pool import WorkerHandle, WorkerPool
 from services.router.prefix_index import RequestKeys
 
 P = 4
@@ -67,12 +67,12 @@ def test_thresholds_are_checked():
 
 def pool_of(prefills: int, decodes: int, **kw) -> WorkerPool:
     pool = WorkerPool([], [], policy="cache_aware", lane=False, **kw)
-    pool.prefills = [Worker("prefill", f"p{i}:1", healthy=True, prefix_page_size=P) for i in range(prefills)]
-    pool.decodes = [Worker("decode", f"d{i}:1", healthy=True, prefix_page_size=P) for i in range(decodes)]
+    pool.prefills = [WorkerHandle("prefill", f"p{i}:1", healthy=True, prefix_page_size=P) for i in range(prefills)]
+    pool.decodes = [WorkerHandle("decode", f"d{i}:1", healthy=True, prefix_page_size=P) for i in range(decodes)]
     return pool
 
 
-def route(pool: WorkerPool, ids: list[int], finished: bool = True) -> tuple[Worker, Worker]:
+def route(pool: WorkerPool, ids: list[int], finished: bool = True) -> tuple[WorkerHandle, WorkerHandle]:
     """Choose a pair for `ids`; `finished`: the request then finished on the decode, which the
     orchestrator tells the pool (here with the prompt alone: no reply)."""
     async def run():

@@ -16,7 +16,7 @@ import pytest
 
 from services.fakes.workers import Behaviour
 from services.router.leases import Lease, Ledger, PairLease
-from services.router.pool import Worker, WorkerPool
+from services.router.pool import WorkerHandle, WorkerPool
 from tests.unit.test_router_app import (  # noqa: F401 - cluster_factory is a fixture
     Cluster,
     cluster_factory,
@@ -56,7 +56,7 @@ def test_a_lease_released_inside_its_with_block_is_not_released_again():
 
 def test_pool_reserve_and_pair_lease_count_each_worker_once():
     pool = WorkerPool([], [], lane=False)
-    p, d = Worker("prefill", "p:1", healthy=True), Worker("decode", "d:1", healthy=True)
+    p, d = WorkerHandle("prefill", "p:1", healthy=True), WorkerHandle("decode", "d:1", healthy=True)
     pair = PairLease(p, d, pool.reserve(p), pool.reserve(d))
     assert (p.inflight, d.inflight, pool.leases.outstanding) == (1, 1, 2)
     pair.release_prefill()  # the Prefill RPC ended
@@ -70,8 +70,8 @@ def test_pool_reserve_and_pair_lease_count_each_worker_once():
 def test_choose_pair_hands_out_a_lease():
     async def run() -> None:
         pool = WorkerPool([], [], lane=False)
-        pool.prefills = [Worker("prefill", "p:1", healthy=True)]
-        pool.decodes = [Worker("decode", "d:1", healthy=True)]
+        pool.prefills = [WorkerHandle("prefill", "p:1", healthy=True)]
+        pool.decodes = [WorkerHandle("decode", "d:1", healthy=True)]
         pair = await pool.choose_pair()
         prefill, decode = pair
         assert (prefill.inflight, decode.inflight, pool.leases.outstanding) == (1, 1, 2)

@@ -10,7 +10,7 @@ import pytest
 
 from services.router.orchestrator import WorkerFailure, retry_avoids
 from services.router.policy import LeastLoaded, PowerOfTwo, RoundRobin, make_policy
-from services.router.pool import Worker
+from services.router.pool import WorkerHandle
 
 
 def test_round_robin_cycles():
@@ -48,7 +48,7 @@ def test_make_policy():
 
 
 def test_retry_avoids_prefill_only_when_prefill_reported_the_failure():
-    p, d = Worker("prefill", "p:1"), Worker("decode", "d:1")
+    p, d = WorkerHandle("prefill", "p:1"), WorkerHandle("decode", "d:1")
     # decode's stream broke: the prefill that served the attempt is not suspect, and avoiding it
     # would push the retry towards other prefills, one of which may be dead and not yet ejected
     assert retry_avoids(WorkerFailure(d, grpc.StatusCode.UNAVAILABLE, "connection reset"), p, d) == {d}
@@ -59,6 +59,6 @@ def test_retry_avoids_prefill_only_when_prefill_reported_the_failure():
 def test_a_kv_integrity_failure_suspects_both_sides():
     # decode reports the checksum mismatch, but prefill wrote the pages: a misrouted WRITE is
     # prefill's fault, corrupt memory decode's, and the router cannot tell them apart
-    p, d = Worker("prefill", "p:1"), Worker("decode", "d:1")
+    p, d = WorkerHandle("prefill", "p:1"), WorkerHandle("decode", "d:1")
     assert retry_avoids(WorkerFailure(d, grpc.StatusCode.DATA_LOSS, "room 7: KV checksum mismatch"), p, d) == {p, d}
     assert retry_avoids(WorkerFailure(d, grpc.StatusCode.DATA_LOSS, "KV checksum mismatch"), None, d) == {d}

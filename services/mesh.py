@@ -19,15 +19,30 @@ import signal
 import subprocess
 import time
 
+from services.common.config import SERVICE_LINK
 from services.launch.launcher import Launcher
 from services.launch.local import Local
 from services.launch.spec import MeshSpec, Service
 
-PREFILL_GRPC = int(os.environ.get("PDMESH_PREFILL_GRPC_PORT", 50051))
-PREFILL_HTTP = int(os.environ.get("PDMESH_PREFILL_HTTP_PORT", 8081))
-DECODE_GRPC = int(os.environ.get("PDMESH_DECODE_GRPC_PORT", 50052))
-DECODE_HTTP = int(os.environ.get("PDMESH_DECODE_HTTP_PORT", 8082))
-ROUTER_PORT = int(os.environ.get("PDMESH_ROUTER_PORT", 8000))
+
+def _port(env: str, default: int) -> int:
+    """A port from the environment. A Kubernetes service link (a Service named pdmesh-router
+    injects PDMESH_ROUTER_PORT=tcp://10.0.0.1:8000) is not a setting: the default stands, as
+    for the services' own flags (services/common/config.py)."""
+    raw = os.environ.get(env, "").strip()
+    if not raw or SERVICE_LINK.fullmatch(raw):
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise SystemExit(f"{env}={raw!r} is not a port number") from None
+
+
+PREFILL_GRPC = _port("PDMESH_PREFILL_GRPC_PORT", 50051)
+PREFILL_HTTP = _port("PDMESH_PREFILL_HTTP_PORT", 8081)
+DECODE_GRPC = _port("PDMESH_DECODE_GRPC_PORT", 50052)
+DECODE_HTTP = _port("PDMESH_DECODE_HTTP_PORT", 8082)
+ROUTER_PORT = _port("PDMESH_ROUTER_PORT", 8000)
 HOST = "127.0.0.1"
 
 

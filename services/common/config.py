@@ -278,7 +278,7 @@ ROUTER_FLAGS = [
 # for every Service in the namespace unless the pod sets `enableServiceLinks: false`; a Service
 # named `pdmesh` therefore sets PDMESH_PORT, the router's --port twin. Such a value is never a
 # setting someone meant for us.
-_SERVICE_LINK = re.compile(r"(tcp|udp|sctp)://[^\s/]+:\d+")
+SERVICE_LINK = re.compile(r"(tcp|udp|sctp)://[^\s/]+:\d+")
 _ignored_env: list[str] = []
 
 
@@ -292,7 +292,7 @@ class _MalformedTwin:
 
     @property
     def service_link(self) -> bool:
-        return bool(_SERVICE_LINK.fullmatch(self.raw.strip()))
+        return bool(SERVICE_LINK.fullmatch(self.raw.strip()))
 
 
 def _parse_env(flag: Flag, raw: str) -> Any:

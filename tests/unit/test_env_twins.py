@@ -85,3 +85,15 @@ def test_repeatable_twin_still_splits_on_commas(monkeypatch):
     monkeypatch.setenv("PDMESH_PREFILL", "a:50051, b:50051")
     assert router_args([]).prefill == ["a:50051", "b:50051"]
     assert router_args(["--prefill", "c:1"]).prefill == ["c:1"]
+
+
+def test_make_run_ignores_a_service_link_in_its_port_settings(monkeypatch):
+    from services.mesh import _port
+
+    monkeypatch.setenv("PDMESH_ROUTER_PORT", "tcp://10.0.0.1:8000")
+    assert _port("PDMESH_ROUTER_PORT", 8000) == 8000
+    monkeypatch.setenv("PDMESH_ROUTER_PORT", "9100")
+    assert _port("PDMESH_ROUTER_PORT", 8000) == 9100
+    monkeypatch.setenv("PDMESH_ROUTER_PORT", "eighty")
+    with pytest.raises(SystemExit, match="PDMESH_ROUTER_PORT='eighty' is not a port number"):
+        _port("PDMESH_ROUTER_PORT", 8000)

@@ -41,7 +41,7 @@ def router(tmp_path_factory):
 def test_n_choices_are_seeded_reproducible_and_streamed_with_their_index(router):
     m, p, d, r = router
     body = {"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog, and then the dog wakes up and "
-            "runs after it.", "max_tokens": 12, "temperature": 1.0, "seed": 1234, "n": 4}
+            "runs after it.", "max_tokens": 12, "temperature": 1.0, "seed": 1234, "n": 4, "ignore_eos": True}
     prompt_len = len(TOK.encode(body["prompt"]))
     tail = prompt_len - (prompt_len - 1) // 16 * 16  # past the full pages a follower takes (--page-size 16)
     before = p.metrics().get("pdmesh:prompt_tokens_total", 0.0)

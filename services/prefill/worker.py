@@ -32,8 +32,7 @@ through the prefix cache: a follower waits (holding no pages) until its leader h
 full pages it can take, then takes them as any hit and computes only its tail, sampling its own
 first token. With the cache off the choices compute independently. `pdmesh:prompt_tokens_total`
 counts the tokens a forward computed, `pdmesh:prefix_cache_hits_total` those found cached, and
-`pdmesh:shared_prompt_tokens_total` the part of those hits a follower took after waiting on its
-leader.
+`pdmesh:shared_prompt_tokens_total` the part of those hits a follower took from its leader.
 """
 
 from __future__ import annotations

@@ -5,14 +5,14 @@ A real mesh (1 prefill, 1 decode, router; random built-in model, byte tokens). E
 fresh prompt of `--prompt-tokens` bytes and measures, interleaved:
 
 - `shared`: one streamed request with n = 4 (services/prefill/sharing.py: one choice computes,
-  three copy its KV pages);
+  three take its full pages from the prefix cache and compute only the last partial page);
 - `fanout`: four concurrent streamed n = 1 requests with seeds seed + i — exactly the requests
   the router's fan-out sent before the prompt was shared.
 
 Per run: `ttft_ms`, until every choice has its first token (an n = 4 stream starts only then),
 and the growth of prefill's `prompt_tokens_total` (tokens a forward computed) and
-`shared_prompt_tokens_total` (tokens copied). Medians over `--runs`. Everything shares this
-machine's cores: compare within one run.
+`shared_prompt_tokens_total` (tokens a choice took from the one that computed them). Medians over
+`--runs`. Everything shares this machine's cores: compare within one run.
 
 Usage: python bench/n_shared_prefill.py [--prompt-tokens 2048] [--runs 5] [--n 4]
 """
@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4)
     args = ap.parse_args()
     rng = random.Random(0)
-    results: dict[str, dict[str, list[float]]] = {k: {"ttft_ms": [], "computed": [], "copied": []}
+    results: dict[str, dict[str, list[float]]] = {k: {"ttft_ms": [], "computed": [], "shared": []}
                                                   for k in ("shared", "fanout")}
     with tempfile.TemporaryDirectory() as tmp:
         mesh = Launcher(log_dir=pathlib.Path(tmp))
@@ -87,7 +87,7 @@ def main() -> None:
                     res = results[kind]
                     res["ttft_ms"].append(round(ttft * 1000, 1))
                     res["computed"].append(after["pdmesh:prompt_tokens_total"] - before["pdmesh:prompt_tokens_total"])
-                    res["copied"].append(after["pdmesh:shared_prompt_tokens_total"]
+                    res["shared"].append(after["pdmesh:shared_prompt_tokens_total"]
                                          - before["pdmesh:shared_prompt_tokens_total"])
             mesh.assert_invariants()
         finally:
@@ -98,7 +98,7 @@ def main() -> None:
             "ttft_ms_median": statistics.median(res["ttft_ms"]),
             "ttft_ms": res["ttft_ms"],
             "prompt_tokens_computed_median": statistics.median(res["computed"]),
-            "prompt_tokens_copied_median": statistics.median(res["copied"]),
+            "prompt_tokens_shared_median": statistics.median(res["shared"]),
         }
     out["ttft_speedup"] = round(out["fanout"]["ttft_ms_median"] / out["shared"]["ttft_ms_median"], 2)
     print(json.dumps(out, indent=2))

@@ -120,11 +120,12 @@ class Metrics:
         # (Prometheus' rate()/increase() cannot see a series that is born at 1).
         for queue in _EVICTION_QUEUES.get(engine_type, ()):
             self.watchdog_evictions.labels(**self.labels, queue=queue)
-        # prefill: tokens a forward computed, so n > 1 (one prompt, n choices) counts the prompt once
+        # prefill: tokens a forward computed, so n > 1 (one prompt, n choices) counts the prompt's
+        # full pages once: the other choices take them from the prefix cache
         self.prompt_tokens = counter("prompt_tokens_total", "prompt tokens processed (prefill: computed)")
         self.shared_prompt_tokens = counter(
             "shared_prompt_tokens_total",
-            "prefill: prompt tokens whose KV was copied from another choice of the same n > 1 request",
+            "prefill: of the prefix cache hits, prompt tokens an n > 1 choice took from the choice that computed them",
         )
         if engine_type == "prefill":
             self.shared_prompt_tokens.labels(**self.labels)  # at 0 from the start

@@ -98,12 +98,3 @@ class KVPool:
         """Read k/v at index tensors of any shape S -> ``[*S, kv_heads, head_dim]``."""
         layer_kv = self.kv[:, layer]
         return layer_kv[page_idx, 0, off_idx], layer_kv[page_idx, 1, off_idx]
-
-    def copy_pages(self, src: list[int], dst: list[int]) -> None:
-        """Copy whole pages (every layer's K and V), src[i] -> dst[i]: a follower of a shared
-        prompt gets its own copy of the leader's KV (services/prefill/sharing.py)."""
-        if len(src) != len(dst):
-            raise ValueError(f"copy of {len(src)} pages into {len(dst)}")
-        if src:
-            index = torch.tensor(src, dtype=torch.long, device=self.device)
-            self.kv[torch.tensor(dst, dtype=torch.long, device=self.device)] = self.kv[index]

@@ -78,20 +78,11 @@ class Job:
     first_top: list[tuple[int, float]] | None = None  # top_logprobs alternatives of the first token
     share_key: int = 0  # n > 1: jobs of one key compute their common prompt once (sharing.py)
     canary: bool = False  # the router's canary: served as any job, left out of the request metrics
-    # params.prompt_logprobs set: what its chunks computed so far (a follower: its leader's)
-    prompt_lp: PromptLogprobs | None = None
-    # a leader's last-position logits (an engine tensor) once its prompt is computed, kept until
-    # it ends so that followers of its key can sample their first token from them
-    last_logits: object | None = None
+    prompt_lp: PromptLogprobs | None = None  # params.prompt_logprobs set: what its chunks computed so far
 
     @property
     def finished(self) -> bool:
         return self.phase is Phase.FINISHED
-
-    @property
-    def kv_ready(self) -> bool:
-        """Its whole prompt's KV is in its pages and it has not ended: followers may copy it."""
-        return self.last_logits is not None and not self.finished
 
     @property
     def remaining(self) -> int:

@@ -27,11 +27,12 @@ first forward (a job is scheduled only once attached, so the offer is always kno
 phase READING, one READ bounded by --kv-read-timeout. Verified pages join the cache and count as
 cached tokens; whatever fails, the job computes those tokens (never a failed request for it).
 
-n > 1 (services/prefill/sharing.py): jobs of one share key compute their common prompt once;
-followers wait for the leader's forward (holding no pages) or copy its KV pages into their own
-and sample their own first token from its logits. `pdmesh:prompt_tokens_total` counts the tokens
-a forward computed, `pdmesh:shared_prompt_tokens_total` those a follower copied,
-`pdmesh:prefix_cache_hits_total` those found cached.
+n > 1 (services/prefill/sharing.py): jobs of one share key compute their common prompt once,
+through the prefix cache: a follower waits (holding no pages) until its leader has cached the
+full pages it can take, then takes them as any hit and computes only its tail, sampling its own
+first token. With the cache off the choices compute independently. `pdmesh:prompt_tokens_total`
+counts the tokens a forward computed, `pdmesh:prefix_cache_hits_total` those found cached, and
+`pdmesh:shared_prompt_tokens_total` the part of those hits a follower took from its leader.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from services.engine.prompt_logprobs import chunk_targets
 from services.engine.runner import PrefillItem
 from services.engine.sampler import TopLogprobs
 from services.engine.worker_engine import WorkerEngine
-from services.prefill.forward import Copy, PromptRows, Sample, run_batch
+from services.prefill.forward import PromptRows, Sample, run_batch
 from services.prefill.jobs import Job, Phase, PrefillResult, RoomFailed
 from services.prefill.sharing import Plan, ShareGroups
 from services.transfer.reader import ReadOutcome
@@ -79,9 +80,9 @@ class PrefillWorker:
         self.faults = faults
         self.chunk_budget = chunk_budget
         self.jobs: dict[int, Job] = {}
-        self._forward: list[Job] = []  # the jobs whose chunks the engine is computing (or copying into) now
-        self._pinned: list[Job] = []  # leaders whose pages the running forward copies from
-        self.shares = ShareGroups()
+        self._forward: list[Job] = []  # the jobs whose chunks the engine is computing now
+        # n > 1 shares through the prefix cache: without it the choices compute independently
+        self.shares = ShareGroups(engine.prefix_cache) if engine.prefix_cache is not None else None
         self._seq = itertools.count()
         self._work = asyncio.Event()
         sender.on_terminal = self._on_sender_terminal
@@ -166,7 +167,8 @@ class PrefillWorker:
             return
         was = job.phase
         job.phase = Phase.FINISHED
-        self.shares.drop(job)  # its followers, if any, compute themselves on the next pass
+        if self.shares is not None:
+            self.shares.drop(job)  # its followers, if any, compute themselves on the next pass
         if isinstance(outcome, RoomFailed):
             if was is Phase.INFLIGHT and outcome.code == "UNAVAILABLE":
                 self.metrics.inc(self.metrics.num_transfer_failed_reqs)
@@ -176,7 +178,7 @@ class PrefillWorker:
                 job.future.set_exception(outcome)
         elif not job.future.done():
             job.future.set_result(outcome)
-        if job not in self._forward and job not in self._pinned:
+        if job not in self._forward:
             self._release(job)
         self.kick()  # freed pages may unblock waiting jobs
 
@@ -209,47 +211,46 @@ class PrefillWorker:
             self.finish(job, RoomFailed(reason or "failed"))
 
     # --- scheduling ------------------------------------------------------------------------
-    def _pick_batch(self) -> tuple[list[tuple[Job, int]], list[tuple[Job, Job]]]:
-        """(job, tokens of its next chunk) under the chunk budget, and (follower, leader) KV
-        copies (they compute nothing, so they take no budget); see the module docstring."""
+    def _plan(self, job: Job) -> tuple[Plan, Job | None]:
+        return self.shares.plan(job) if self.shares is not None else (Plan.COMPUTE, None)
+
+    def _pick_batch(self) -> list[tuple[Job, int]]:
+        """(job, tokens of its next chunk) under the chunk budget; see the module docstring."""
         ready = [j for j in self.jobs.values() if j.phase is Phase.QUEUED and self._state(j) == RoomState.WAITING_FOR_INPUT]
         ready.sort(key=lambda j: (j.pages is None, j.seq))  # page holders first, then arrival order
-        budget, batch, copies, finals = self.chunk_budget, [], [], set()
+        budget, batch = self.chunk_budget, []
         for job in ready:
-            plan, leader = self.shares.plan(job, finals)
+            plan, _leader = self._plan(job)
             if plan is Plan.WAIT:
-                continue  # the leader is computing this prompt; it ends or completes it soon
-            if plan is Plan.COMPUTE and budget <= 0:
+                continue  # its leader is computing the pages it will take from the cache
+            if budget <= 0:
                 break
             if job.pages is None:
                 try:
-                    # prompt logprobs need every prompt position's logits: such a job does not read
-                    # the cache (services/engine/prompt_logprobs.py)
-                    self._take_pages(job, use_cache=plan is Plan.COMPUTE and job.params.prompt_logprobs is None)
+                    self._take_pages(job, followed=plan is Plan.FOLLOW)
                 except OutOfPages:
                     break  # later arrivals wait too: the oldest gets the pages that come back
                 if job.phase is Phase.READING:
                     continue  # its READ brings part of its prompt first; it computes the rest after
-            if plan is Plan.COPY:
-                copies.append((job, leader))
-                continue
             n = min(budget, job.remaining)
-            self.shares.lead(job)
-            if n == job.remaining:
-                finals.add(job)
+            if self.shares is not None:
+                self.shares.lead(job)
             batch.append((job, n))
             budget -= n
-        return batch, copies
+        return batch
 
-    def _take_pages(self, job: Job, use_cache: bool) -> None:
+    def _take_pages(self, job: Job, followed: bool = False) -> None:
         """The job's pages: its prompt's longest cached prefix (shared), then fresh ones for the
-        rest. Raises OutOfPages with nothing taken. A follower copying its leader skips the cache;
-        a job asking for prompt logprobs does not read it but still inserts what it computed."""
+        rest. Raises OutOfPages with nothing taken. A job asking for prompt logprobs does not read
+        the cache (it needs every prompt position's logits, services/engine/prompt_logprobs.py)
+        but still inserts what it computed. `followed`: an n > 1 follower whose leader cached the
+        pages it finds (counted apart as well)."""
         pool, cache = self.engine.pool, self.engine.prefix_cache
+        use_cache = cache is not None and job.params.prompt_logprobs is None
         hit = []
         if cache is not None:
             job.cache_keys = cache.keys(job.token_ids)  # once: every chunk's insert reuses them
-        if cache is not None and use_cache:
+        if use_cache:
             hit = cache.acquire(job.token_ids, job.room, keys=job.cache_keys)
         try:
             fresh = pool.allocator.alloc(pool.pages_for_tokens(len(job.token_ids)) - len(hit), owner=job.room)
@@ -258,8 +259,10 @@ class PrefillWorker:
             raise
         job.pages = hit + fresh
         job.cached_tokens = job.prefilled = len(hit) * pool.page_size
-        if cache is not None and use_cache:
+        if use_cache:
             count_lookup(self.metrics, cache, len(job.token_ids), job.cached_tokens)
+            if followed and not job.canary:
+                self.metrics.inc(self.metrics.shared_prompt_tokens, job.cached_tokens)
             self._read_held_prefix(job, len(hit))
 
     def _read_held_prefix(self, job: Job, hit: int) -> None:
@@ -317,30 +320,21 @@ class PrefillWorker:
         while True:
             await self._work.wait()
             self._work.clear()
-            while True:
-                batch, copies = self._pick_batch()
-                if not batch and not copies:
-                    break
-                await self._run_batch(batch, copies)
+            while batch := self._pick_batch():
+                await self._run_batch(batch)
 
-    async def _run_batch(self, batch: list[tuple[Job, int]], copies: list[tuple[Job, Job]]) -> None:
+    async def _run_batch(self, batch: list[tuple[Job, int]]) -> None:
         items = [PrefillItem(j.token_ids[j.prefilled : j.prefilled + n], j.prefilled, j.pages) for j, n in batch]
         finals = [i for i, (j, n) in enumerate(batch) if n == j.remaining]
         final_jobs = [batch[i][0] for i in finals]
-        final_at = {j: k for k, j in enumerate(final_jobs)}
-        copy_items = [Copy(f.pages, ld.pages, final_at.get(ld), ld.last_logits) for f, ld in copies]
-        samplers = final_jobs + [f for f, _ in copies]
         # the history feeds penalties / logit_bias / min_tokens
-        sample = Sample([j.params for j in samplers], [len(j.token_ids) for j in samplers],
-                        [(j.token_ids, ()) for j in samplers])
-        keep = [k for k, j in enumerate(final_jobs) if self.shares.leader_of(j) is j]
+        sample = Sample([j.params for j in final_jobs], [len(j.token_ids) for j in final_jobs],
+                        [(j.token_ids, ()) for j in final_jobs])
         prompt_rows = [PromptRows(i, chunk_targets(j.token_ids, j.prefilled, n), j.params.prompt_logprobs)
                        for i, (j, n) in enumerate(batch) if j.params.prompt_logprobs is not None]
-        leader_of = dict(copies)
         engine = self.engine
 
-        self._forward = [j for j, _ in batch] + [f for f, _ in copies]
-        self._pinned = [ld for _, ld in copies if ld not in self._forward]
+        self._forward = [j for j, _ in batch]
         now = time.monotonic()
         for j, _ in batch:
             if j.prefilled == 0:  # its first forward: the end of its time in the queues
@@ -349,20 +343,14 @@ class PrefillWorker:
             j.phase = Phase.FORWARD
         error: Exception | None = None
         try:
-            tokens, logprobs, tops, kept, prompt = await engine.run(run_batch, engine, items, finals, copy_items,
-                                                                    sample, keep, prompt_rows)
+            tokens, logprobs, tops, prompt = await engine.run(run_batch, engine, items, finals, sample, prompt_rows)
         except Exception as e:  # noqa: BLE001 - a failed forward fails its rooms, not the worker
             log.exception("prefill forward failed", rooms=[j.room for j in self._forward])
-            error, tokens, logprobs, tops, kept, prompt = e, [], [], [], {}, {}
+            error, tokens, logprobs, tops, prompt = e, [], [], [], {}
         prompt_of = {batch[i][0]: lp for i, lp in prompt.items()}
-        done, pinned = self._forward, self._pinned
-        self._forward, self._pinned = [], []
-        sampled = dict(zip(samplers, zip(tokens, logprobs, tops, strict=True), strict=False))
-        for ld in pinned:
-            if ld.finished:  # ended while the copy read its pages: its release waited for us
-                self._release(ld)
-        chunk_of = dict(batch)
-        for job in done:
+        self._forward = []
+        sampled = dict(zip(final_jobs, zip(tokens, logprobs, tops, strict=True), strict=False))
+        for job, chunk in batch:
             if job.finished:  # aborted, evicted or timed out mid-forward: its release waited for us
                 self._release(job)
             elif error is not None:
@@ -371,44 +359,29 @@ class PrefillWorker:
                 job.phase = Phase.QUEUED
             else:
                 if job.params.prompt_logprobs is not None:
-                    self._gather_prompt_logprobs(job, prompt_of.get(job), leader_of.get(job))
-                self._advance(job, chunk_of.get(job), sampled.get(job), kept.get(final_at.get(job, -1)))
+                    self._gather_prompt_logprobs(job, prompt_of[job])
+                self._advance(job, chunk, sampled.get(job))
 
     @staticmethod
-    def _gather_prompt_logprobs(job: Job, computed, leader: Job | None) -> None:
-        """A chunk adds its positions' prompt logprobs; a copy takes its leader's (complete, as
-        its KV is: the batch's chunks are gathered before its copies)."""
-        if leader is not None:
-            job.prompt_lp = leader.prompt_lp
-        elif job.prompt_lp is None:
+    def _gather_prompt_logprobs(job: Job, computed) -> None:
+        """A chunk adds its positions' prompt logprobs."""
+        if job.prompt_lp is None:
             job.prompt_lp = computed
         else:
             job.prompt_lp.extend(computed)
 
-    def _advance(self, job: Job, chunk: int | None, first: tuple[int, float, TopLogprobs | None] | None,
-                 logits) -> None:
-        """A job's forward (a chunk, or a copy when chunk is None) succeeded: count it, and send
-        the KV once the whole prompt is there."""
-        if chunk is None:
-            if not job.canary:
-                self.metrics.inc(self.metrics.shared_prompt_tokens, len(job.token_ids))
-            job.prefilled = len(job.token_ids)
-        else:
-            if not job.canary:
-                self.metrics.inc(self.metrics.prompt_tokens, chunk)
-            job.prefilled += chunk
-            if self.engine.prefix_cache is not None:
-                self.engine.prefix_cache.insert(job.token_ids, job.pages, job.prefilled // self.engine.pool.page_size,
-                                                job.cache_keys)
+    def _advance(self, job: Job, chunk: int, first: tuple[int, float, TopLogprobs | None] | None) -> None:
+        """A job's chunk succeeded: count it, cache its full pages (followers of its share key
+        take them from there), and send the KV once the whole prompt is there."""
+        if not job.canary:
+            self.metrics.inc(self.metrics.prompt_tokens, chunk)
+        job.prefilled += chunk
+        if self.engine.prefix_cache is not None:
+            self.engine.prefix_cache.insert(job.token_ids, job.pages, job.prefilled // self.engine.pool.page_size,
+                                            job.cache_keys)
         if first is None:
             job.phase = Phase.QUEUED
             return
-        if job.params.prompt_logprobs is not None and len(job.prompt_lp or ()) != len(job.token_ids) - 1:
-            # a copy whose leader ended inside the forward that held its final chunk: fail over
-            self.finish(job, RoomFailed("prompt logprobs incomplete (the shared prompt's leader ended)"))
-            return
-        if logits is not None:
-            job.last_logits = logits  # later followers of its key copy its KV and sample from these
         job.first_token, job.first_logprob, job.first_top = first
         job.phase = Phase.INFLIGHT
         self.sender.send(job.room, job.pages, job.first_token, job.first_logprob, job.cached_tokens)

@@ -6,9 +6,9 @@ has a chunk first. A request with n = 1 goes through the same path with one gene
 
 The prompt is computed once, not n times: the first attempt of every choice goes to the same
 prefill (`PrefillShare.prefill`, the one the first choice drew) with one `share_key`, and that
-prefill computes the prompt for the first of them and copies its KV to the others
-(services/prefill/sharing.py). Decode workers may differ. A retry or migration is an ordinary
-attempt, without the key.
+prefill computes the prompt for the first of them while the others wait to take its full pages
+from its prefix cache (services/prefill/sharing.py). Decode workers may differ. A retry or
+migration is an ordinary attempt, without the key.
 """
 
 from __future__ import annotations

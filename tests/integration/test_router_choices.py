@@ -4,7 +4,7 @@
   completion with seed + i; streamed, each delta carries its choice's `index` and the chunks
   reassemble to the same four texts; usage counts the prompt once and sums the completions.
   The prompt is computed once for all four (services/prefill/sharing.py): prefill's prompt-token
-  counter shows it.
+  counter grows by the prompt and three last partial pages, the rest served by its prefix cache.
 - penalties and logit_bias set in the OpenAI request reach both workers: greedy output equals
   single-process generation with the same control.
 One mesh for the module.
@@ -40,9 +40,10 @@ def router(tmp_path_factory):
 
 def test_n_choices_are_seeded_reproducible_and_streamed_with_their_index(router):
     m, p, d, r = router
-    body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 1.0, "seed": 1234,
-            "n": 4}
+    body = {"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog, and then the dog wakes up and "
+            "runs after it.", "max_tokens": 12, "temperature": 1.0, "seed": 1234, "n": 4, "ignore_eos": True}
     prompt_len = len(TOK.encode(body["prompt"]))
+    tail = prompt_len - (prompt_len - 1) // 16 * 16  # past the full pages a follower takes (--page-size 16)
     before = p.metrics().get("pdmesh:prompt_tokens_total", 0.0)
     out = post_json(r.http_url, "/v1/completions", body)
     texts = [c["text"] for c in sorted(out["choices"], key=lambda c: c["index"])]
@@ -51,8 +52,9 @@ def test_n_choices_are_seeded_reproducible_and_streamed_with_their_index(router)
     assert out["usage"]["prompt_tokens"] == prompt_len
     assert out["usage"]["completion_tokens"] == 4 * 12
     assert out["usage"]["total_tokens"] == prompt_len + 48
-    # the four choices share one prefill, which computed the prompt once and copied its KV 3 times
-    assert p.metrics()["pdmesh:prompt_tokens_total"] - before == prompt_len
+    # the four choices share one prefill, which computed the prompt once; the three others took its
+    # full pages from the prefix cache and computed only the tail
+    assert prompt_len > 16 and p.metrics()["pdmesh:prompt_tokens_total"] - before == prompt_len + 3 * tail
 
     again = post_json(r.http_url, "/v1/completions", body)
     assert [c["text"] for c in sorted(again["choices"], key=lambda c: c["index"])] == texts

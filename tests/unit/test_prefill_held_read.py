@@ -25,6 +25,11 @@ from tests.unit.test_prefill_prefix_cache import GREEDY, HISTORY, NEXT, P, count
 from tests.unit.test_prefill_sharing import FakeSender
 
 
+def copy_pages(pool, src, dst):
+    """What a verified READ leaves in the pool: decode's pages' KV in the job's own."""
+    pool.kv[dst] = pool.kv[src]
+
+
 class ReadSender(FakeSender):
     """Every room is attached with decode's offer `held`; start_read copies those pages now
     (`mode` "now"), later (`complete()`), or fails ("fail")."""
@@ -42,14 +47,14 @@ class ReadSender(FakeSender):
         if self.mode == "fail":
             return ReadOutcome(False, len(local), 0, 0.01, "checksum", "differs")
         if self.mode == "now":
-            self.pool.copy_pages(src, list(local))
+            copy_pages(self.pool, src, list(local))
             return ReadOutcome(True, len(local), len(local) * self.pool.page_nbytes, 0.01)
         self.pending[room] = (src, list(local), on_end)
         return None
 
     def complete(self, room):
         src, local, on_end = self.pending.pop(room)
-        self.pool.copy_pages(src, local)
+        copy_pages(self.pool, src, local)
         on_end(ReadOutcome(True, len(local), len(local) * self.pool.page_nbytes, 0.02))
 
 
@@ -78,9 +83,9 @@ def make_worker(engine, held, read=True):
 
 async def run_until_sent(w, room):
     while room not in w.sender.sent:
-        batch, copies = w._pick_batch()
-        assert batch or copies, "the job made no progress"
-        await w._run_batch(batch, copies)
+        batch = w._pick_batch()
+        assert batch, "the job made no progress"
+        await w._run_batch(batch)
     pages, token = w.sender.sent[room]
     return pages, token, w.engine.pool.kv[pages].clone()
 
@@ -126,9 +131,9 @@ def test_a_job_is_not_scheduled_while_its_read_runs(engine, decode_pages):
     async def go():
         await first_round(w)
         job = w.submit(2, list(NEXT), GREEDY)
-        assert w._pick_batch() == ([], [])  # it took its pages and started the READ
+        assert w._pick_batch() == []  # it took its pages and started the READ
         assert job.phase is Phase.READING and gauge(w, "num_queue_reqs") == 1 and w.load() == (1, 0)
-        assert w._pick_batch() == ([], [])
+        assert w._pick_batch() == []
         w.sender.complete(2)
         assert job.phase is Phase.QUEUED and job.prefilled == 64
         pages, token, kv = await run_until_sent(w, 2)

@@ -53,9 +53,9 @@ async def serve(w, room, ids, budget=512):
     w.chunk_budget = budget
     job = w.submit(room, list(ids), GREEDY)
     while room not in w.sender.sent:
-        batch, copies = w._pick_batch()
-        assert batch or copies, "the job made no progress"
-        await w._run_batch(batch, copies)
+        batch = w._pick_batch()
+        assert batch, "the job made no progress"
+        await w._run_batch(batch)
     pages, token = w.sender.sent[room]
     kv = w.engine.pool.kv[pages].clone()
     w.finish(job, PrefillResult(token, 0.0, len(ids), 0, 0.0, None, job.cached_tokens))
@@ -111,15 +111,15 @@ def test_chunks_cache_their_full_pages_as_they_complete(worker, engine):
     async def go():
         job = worker.submit(1, list(NEXT), GREEDY)
         worker.chunk_budget = 24
-        await worker._run_batch(*worker._pick_batch())
+        await worker._run_batch(worker._pick_batch())
         assert engine.prefix_cache.num_pages == 1  # 24 tokens: one full page, half of the next
-        await worker._run_batch(*worker._pick_batch())
+        await worker._run_batch(worker._pick_batch())
         assert engine.prefix_cache.num_pages == 3
         other = worker.submit(2, list(NEXT[:50]), GREEDY)  # arrives mid-prompt: hits 3 pages
-        await worker._run_batch(*worker._pick_batch())
+        await worker._run_batch(worker._pick_batch())
         assert other.cached_tokens == 48
         while 1 not in worker.sender.sent or 2 not in worker.sender.sent:
-            await worker._run_batch(*worker._pick_batch())
+            await worker._run_batch(worker._pick_batch())
         for j in (job, other):
             worker.finish(j, PrefillResult(0, 0.0, len(j.token_ids), 0, 0.0))
         assert other.phase.name == "FINISHED"
@@ -154,7 +154,7 @@ def test_a_job_that_cannot_get_its_pages_takes_no_shared_page_either(worker, eng
         await serve(worker, 1, HISTORY)
         hog = engine.pool.allocator.alloc(engine.pool.allocator.num_free, owner="hog")
         job = worker.submit(2, list(NEXT), GREEDY)
-        assert worker._pick_batch() == ([], [])  # two pages cached, three more needed: none free
+        assert worker._pick_batch() == []  # two pages cached, three more needed: none free
         assert job.pages is None and engine.pool.allocator.holders_of(0) == set()
         engine.pool.allocator.free(hog, owner="hog")
         worker.abort(2, "test over")
@@ -167,11 +167,11 @@ def test_a_job_asking_for_prompt_logprobs_does_not_read_the_cache(worker, engine
 
     async def go():
         first = w.submit(1, ids, SamplingParams())
-        await w._run_batch(*w._pick_batch())
+        await w._run_batch(w._pick_batch())
         w.finish(first, PrefillResult(0, 0.0, len(ids), 0, 0.0))
         assert engine.prefix_cache.match(ids)  # its full pages are cached
         asking = w.submit(2, ids, SamplingParams(prompt_logprobs=1))
-        await w._run_batch(*w._pick_batch())
+        await w._run_batch(w._pick_batch())
         # recomputed: every prompt token went through the forward and has its logprob
         assert asking.cached_tokens == 0 and len(asking.prompt_lp) == len(ids) - 1
         assert counter(w, "prompt_tokens") == 2 * len(ids)

@@ -426,17 +426,20 @@ class KVReceiveCoordinator:
         self._saw_epoch(peer, hb.sender_epoch)
         if not hb.peer_registered:
             self.forget(peer)
-        self.receiver.apply_heartbeat(peer, rooms, hb.sender_epoch, hb.held, hb.forward_done)
         if hb.forward_age > self.forward_timeout:
-            # alive but not progressing: rooms still waiting for their forward would wait forever
+            # alive but not progressing: rooms still waiting for their forward would wait forever.
+            # Before the held list: prefill's own watchdog may already have dropped the stuck
+            # forward's rooms, and their reason is the forward, not "no longer holds"
             failed = self.receiver.fail_waiting_for_input(
                 peer,
                 f"prefill {peer} forward stuck for {hb.forward_age:.1f}s "
                 f"(> --forward-timeout {self.forward_timeout:g}s)",
+                sender_epoch=hb.sender_epoch,
             )
             if failed:
                 log.warning("prefill forward stuck: waiting rooms failed", prefill=peer,
                             forward_age_s=round(hb.forward_age, 1), failed_rooms=len(failed))
+        self.receiver.apply_heartbeat(peer, rooms, hb.sender_epoch, hb.held, hb.forward_done)
 
     async def _heartbeat_loop(self) -> None:
         while True:

@@ -333,11 +333,14 @@ class KVReceiver:
                 self.mark_forward_done(room)
         return failed
 
-    def fail_waiting_for_input(self, peer: str, reason: str) -> list[int]:
+    def fail_waiting_for_input(self, peer: str, reason: str, sender_epoch: int | None = None) -> list[int]:
         """Prefill is alive but its forward is stuck: fail the rooms still waiting for their
-        forward (phase 1). Rooms in phase 2 keep their own transfer clock."""
+        forward (phase 1), of its generation `sender_epoch` when given (a room of an earlier one
+        fails as "restarted", by apply_heartbeat). Rooms in phase 2 keep their own transfer clock."""
         failed = []
         for r in self.rooms.in_state(RoomState.WAITING_FOR_INPUT):
+            if sender_epoch is not None and r.sender_epoch != sender_epoch:
+                continue
             if r.peer == peer and self._fail(r, reason):
                 failed.append(r.room)
         return failed

@@ -81,14 +81,17 @@ class FakeReceiver:
 
     def __init__(self):
         self.failed: list[tuple[str, str]] = []
+        self.calls: list[str] = []
 
     def waiting_by_peer(self):
         return {"p:1": [1, 2]}
 
-    def apply_heartbeat(self, *a):
+    def apply_heartbeat(self, peer, asked, sender_epoch, held, forward_done):
+        self.calls.append("held")
         return []
 
-    def fail_waiting_for_input(self, peer, reason):
+    def fail_waiting_for_input(self, peer, reason, sender_epoch=None):
+        self.calls.append("forward")
         self.failed.append((peer, reason))
         return [1]
 
@@ -119,6 +122,9 @@ def test_coordinator_fails_phase1_on_a_stuck_forward_and_tracks_generations():
         client.replies = [HeartbeatResult(10, [1, 2], [], True, 5.5)]
         await coord.heartbeat_once()
         assert rec.failed and "forward stuck" in rec.failed[0][1] and "--forward-timeout 5" in rec.failed[0][1]
+        # the stuck forward is judged before the held list: prefill's own watchdog may have dropped
+        # the forward's rooms already, and their reason is the forward, not "no longer holds"
+        assert rec.calls[-2:] == ["forward", "held"]
         client.replies = [HeartbeatResult(11, [], [], True, 0.0)]  # restarted
         await coord.heartbeat_once()
         assert coord.prefill_generation("p:1") == 1

@@ -470,6 +470,17 @@ def test_heartbeat_fails_rooms_not_held_or_from_a_restarted_prefill():
     assert failed == [1, 3] and "restarted" in rx.rooms.get(1).reason
 
 
+def test_a_stuck_forward_fails_only_the_waiting_rooms_of_that_prefill_generation():
+    rx, agent, clock, done = make_receiver()
+    for room, epoch in ((1, 500), (2, 501)):
+        rx.create_room(room, "p:1")
+        rx.prepare_attach(room, [room])
+        rx.mark_attached(room, "P", epoch)
+    assert rx.fail_waiting_for_input("p:1", "forward stuck", sender_epoch=501) == [2]
+    assert rx.rooms.get(1).state == S.WAITING_FOR_INPUT  # an earlier generation's room: "restarted" is its reason
+    assert rx.fail_waiting_for_input("p:1", "forward stuck") == [1]
+
+
 def test_fail_peer_fails_only_that_peer():
     rx, agent, clock, done = make_receiver()
     rx.create_room(1, "p:1")

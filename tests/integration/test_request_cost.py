@@ -32,10 +32,7 @@ EXPENSIVE = ["((a{60}){60}){60}", "((b{60}){60}){60}", "((c{50}){60}){60}", "((d
 def cluster(tmp_path_factory):
     m = Mesh(tmp_path_factory.mktemp("cost"))
     try:
-        p = m.start_prefill(wait=False)
-        d = m.start_decode("--grammar-step-budget", "0.05", wait=False)
-        m.wait_healthy(p)
-        m.wait_healthy(d)
+        (p,), (d,) = m.start_workers(1, 1, (), ("--grammar-step-budget", "0.05"))
         guarded = m.start_router([p], [d], "--request-timeout", "120")
         open_door = m.start_router([p], [d], "--request-timeout", "120", "--grammar-mask-budget", "1000",
                                    "--grammar-compile-budget", "1000")

@@ -32,10 +32,7 @@ CHUNK = 64
 def plain(tmp_path_factory):
     m = Mesh(tmp_path_factory.mktemp("plain"))
     try:
-        p = m.start_prefill("--chunked-prefill-size", str(CHUNK), wait=False)
-        d = m.start_decode(wait=False)
-        m.wait_healthy(p)
-        m.wait_healthy(d)
+        (p,), (d,) = m.start_workers(1, 1, ("--chunked-prefill-size", str(CHUNK)), ())
         yield m, p, d
     finally:
         m.close()

@@ -14,10 +14,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_workers_abort_rooms_of_a_dead_router(mesh):
-    p = mesh.start_prefill(wait=False)
-    d = mesh.start_decode(wait=False)
-    mesh.wait_healthy(p)
-    mesh.wait_healthy(d)
+    (p,), (d,) = mesh.start_workers(1, 1)
     router = mesh.start_router([p], [d])
     body = {"model": "pdmesh-tiny", "prompt": "a long one", "max_tokens": 4000, "stream": True, "ignore_eos": True}
     with httpx.Client(timeout=30) as client, client.stream("POST", router.http_url + "/v1/completions", json=body) as r:

@@ -23,11 +23,3 @@ def stream_events(base_url: str, path: str, body: dict, timeout: float = 60) -> 
                 events.append(json.loads(line[6:]))
     return events
 
-
-def router_with_one_pair(mesh, *router_flags: str):
-    """Prefill and decode (started together), then a router in front of them."""
-    p = mesh.start_prefill(wait=False)
-    d = mesh.start_decode(wait=False)
-    mesh.wait_healthy(p)
-    mesh.wait_healthy(d)
-    return p, d, mesh.start_router([p], [d], *router_flags)

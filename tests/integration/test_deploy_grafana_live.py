@@ -13,7 +13,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.integration.mesh import Mesh
+from tests.integration.mesh import mesh_with_router
 from tests.unit.test_deploy_grafana import REQUIRED, dashboard_metric_names
 from tests.unit.test_deploy_prometheus import RULES, exported_names, metric_names, recorded_names
 
@@ -25,17 +25,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     """One router + prefill + decode for this module's tests (killed at the end)."""
-    m = Mesh(tmp_path_factory.mktemp("deploy-mesh"))
-    try:
-        p = m.start_prefill(wait=False)
-        d = m.start_decode(wait=False)
-        m.wait_healthy(p)
-        m.wait_healthy(d)
-        r = m.start_router([p], [d])
+    with mesh_with_router(tmp_path_factory.mktemp("deploy-mesh")) as (m, (p,), (d,), r):
         yield p, d, r
         m.assert_invariants()  # after the module's scenarios: queues empty, pools whole
-    finally:
-        m.close()
 
 
 def test_dashboard_and_alert_metrics_exist_in_live_metrics(live):

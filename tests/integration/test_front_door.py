@@ -59,10 +59,7 @@ LONG_STREAM = {"model": MODEL, "prompt": "tell me a long story", "max_tokens": 2
 def mesh(tmp_path_factory):
     m = Mesh(tmp_path_factory.mktemp("front-door"))
     try:
-        p = m.start_prefill(wait=False)
-        d = m.start_decode(wait=False)
-        m.wait_healthy(p)
-        m.wait_healthy(d)
+        (p,), (d,) = m.start_workers(1, 1)
         front = m.start_router([p], [d], *FRONT_FLAGS)
         buffer = m.start_router([p], [d], *BUFFER_FLAGS)
         yield m, d, front, buffer

@@ -99,10 +99,7 @@ def test_real_prefill_pages_bit_exact_and_decode_continues_like_single_process(s
 
 
 def test_receiver_sigkill_mid_transfer_fails_room_fast_other_peer_unaffected(sender, peers):  # noqa: F811
-    a = peers.start("receiver", "--worker-id", "dec-kill-a", name="rx-a", wait=False)
-    b = peers.start("receiver", "--worker-id", "dec-kill-b", name="rx-b", wait=False)
-    a.wait_ready()
-    b.wait_ready()
+    a, b = peers.start_receivers({"rx-a": "dec-kill-a", "rx-b": "dec-kill-b"})
     victim = next_room()
     assert a.call("recv", room=victim, bootstrap=addr(sender), n_pages=4)["attached"]
     sender.call("prefill", room=victim, n_pages=4, auto=False)
@@ -199,10 +196,7 @@ def test_receiver_restart_with_new_epoch_works_without_restarting_sender(sender,
 
 
 def test_many_concurrent_rooms_two_receivers_correct_and_no_leaks(sender, peers):  # noqa: F811
-    a = peers.start("receiver", "--worker-id", "dec-many-a", name="rx-many-a", wait=False)
-    b = peers.start("receiver", "--worker-id", "dec-many-b", name="rx-many-b", wait=False)
-    a.wait_ready()
-    b.wait_ready()
+    a, b = peers.start_receivers({"rx-many-a": "dec-many-a", "rx-many-b": "dec-many-b"})
     n = 80
     rooms = [next_room() for _ in range(n)]
     plan = {room: ((a, b)[i % 2], 1 + (i * 7) % 6) for i, room in enumerate(rooms)}

@@ -20,7 +20,7 @@ from services.common.tokenizer import BUILTIN_MODEL_DIR, load_tokenizer
 from services.engine.kv_budget import page_bytes
 from services.engine.model_config import ModelConfig
 from tests.integration.http_client import post_json
-from tests.integration.mesh import Mesh, wait_for
+from tests.integration.mesh import mesh_with_router, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -43,20 +43,12 @@ def served(tmp_path_factory):
 
     budget = PAGES * page_bytes(cfg, 16, torch.float32)
     flags = ("--model", str(folder), "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(budget))
-    m = Mesh(tmp_path_factory.mktemp("capacity"))
-    try:
-        p = m.start_prefill(*flags, wait=False)
-        d = m.start_decode(*flags, wait=False)
-        m.wait_healthy(p)
-        m.wait_healthy(d)
-        r = m.start_router([p], [d], "--model", str(folder), "--max-model-len", str(MAX_MODEL_LEN),
-                           "--request-timeout", "120")
+    router_flags = ("--model", str(folder), "--max-model-len", str(MAX_MODEL_LEN), "--request-timeout", "120")
+    with mesh_with_router(tmp_path_factory.mktemp("capacity"), 1, 1, flags, flags, router_flags) as (m, (p,), (d,), r):
         # the decode's capacity reaches the router with its first Load report after a probe
         wait_for(lambda: any(w["kv_capacity_tokens"] for w in r.health()["decode"].values()), 20,
                  "the router to learn the decode pool's capacity")
         yield m, p, d, r, folder
-    finally:
-        m.close()
 
 
 def _log_lines(proc, event: str) -> list[dict]:

@@ -20,7 +20,7 @@ from services.engine.kv_pool import KVPool
 from services.engine.loader import load_model
 from services.engine.local_generate import generate_full
 from tests.integration.http_client import post_json, stream_events
-from tests.integration.mesh import Mesh, labelled_samples, wait_for
+from tests.integration.mesh import Mesh, labelled_samples, mesh_with_router, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -30,14 +30,10 @@ TOK = load_tokenizer(None)  # the default model's: models/pdmesh-tiny
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    m = Mesh(tmp_path_factory.mktemp("prefix"))
-    try:
-        (p,), (d,) = m.start_workers(1, 1)
-        # reuse measured with conditional disaggregation off: every round through prefill
-        r = m.start_router([p], [d], "--request-timeout", "60", "--local-prefill-max-tokens", "0")
+    # reuse measured with conditional disaggregation off: every round through prefill
+    router_flags = ("--request-timeout", "60", "--local-prefill-max-tokens", "0")
+    with mesh_with_router(tmp_path_factory.mktemp("prefix"), router_flags=router_flags) as (m, (p,), (d,), r):
         yield m, p, d, r
-    finally:
-        m.close()
 
 
 @pytest.fixture(scope="module")

@@ -32,10 +32,7 @@ EXPENSIVE = ["((a{60}){60}){60}", "((b{60}){60}){60}", "((c{50}){60}){60}", "((d
 def cluster(tmp_path_factory):
     m = Mesh(tmp_path_factory.mktemp("cost"))
     try:
-        p = m.start_prefill(wait=False)
-        d = m.start_decode("--grammar-step-budget", "0.05", wait=False)
-        m.wait_healthy(p)
-        m.wait_healthy(d)
+        (p,), (d,) = m.start_workers(1, 1, (), ("--grammar-step-budget", "0.05"))
         guarded = m.start_router([p], [d], "--request-timeout", "120")
         open_door = m.start_router([p], [d], "--request-timeout", "120", "--grammar-mask-budget", "1000",
                                    "--grammar-compile-budget", "1000")
@@ -103,37 +100,36 @@ def test_a_huge_tool_schema_times_n_is_refused_and_small_streams_on_the_worker_s
     _settled(m, r)
 
 
-def test_expensive_grammars_are_refused_at_the_router_beside_normal_streams(cluster):
-    m, r, _ = cluster
+def _regexes_beside_normal_streams(r, normal_prompt: str, regexes) -> tuple[list, list[tuple[str, float]]]:
+    """Four normal chat streams (normal_prompt formatted with 0..3) and one chat per regex as its
+    structured output, all at once: (the regex chats' replies, the streams' (text, longest gap))."""
     with ThreadPoolExecutor(8) as pool:
-        normal = [pool.submit(_stream_with_gaps, r, _chat(f"Describe the module {i}.")) for i in range(4)]
+        normal = [pool.submit(_stream_with_gaps, r, _chat(normal_prompt.format(i))) for i in range(4)]
         expensive = [pool.submit(httpx.post, r.http_url + "/v1/chat/completions",
                                  json=_chat("Say a.", structured_outputs={"regex": rx}), timeout=120)
-                     for rx in EXPENSIVE]
-        for f in expensive:
-            reply = f.result()
-            assert reply.status_code == 400, reply.text
-            assert reply.json()["error"]["code"] == "grammar_too_expensive"
-            assert reply.json()["error"]["param"] == "structured_outputs"
-        for f in normal:
-            text, gap = f.result()
-            assert text
-            assert gap < 10, f"a normal stream waited {gap:.1f} s between two events"
+                     for rx in regexes]
+        return [f.result() for f in expensive], [f.result() for f in normal]
+
+
+def test_expensive_grammars_are_refused_at_the_router_beside_normal_streams(cluster):
+    m, r, _ = cluster
+    replies, streams = _regexes_beside_normal_streams(r, "Describe the module {}.", EXPENSIVE)
+    for reply in replies:
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["code"] == "grammar_too_expensive"
+        assert reply.json()["error"]["param"] == "structured_outputs"
+    for text, gap in streams:
+        assert text
+        assert gap < 10, f"a normal stream waited {gap:.1f} s between two events"
     _settled(m, r)
 
 
 def test_a_grammar_over_the_step_budget_fails_its_own_room_only(cluster):
     m, _, open_door = cluster
-    with ThreadPoolExecutor(8) as pool:
-        normal = [pool.submit(_stream_with_gaps, open_door, _chat(f"Explain the value {i}.")) for i in range(4)]
-        expensive = [pool.submit(httpx.post, open_door.http_url + "/v1/chat/completions",
-                                 json=_chat("Say a.", structured_outputs={"regex": rx}), timeout=120)
-                     for rx in EXPENSIVE[:2]]
-        for f in expensive:
-            reply = f.result()
-            assert reply.status_code == 400, reply.text
-            assert "--grammar-step-budget" in reply.json()["error"]["message"]
-        for f in normal:
-            text, _ = f.result()
-            assert text
+    replies, streams = _regexes_beside_normal_streams(open_door, "Explain the value {}.", EXPENSIVE[:2])
+    for reply in replies:
+        assert reply.status_code == 400, reply.text
+        assert "--grammar-step-budget" in reply.json()["error"]["message"]
+    for text, _ in streams:
+        assert text
     _settled(m, open_door)

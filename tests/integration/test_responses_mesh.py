@@ -21,8 +21,7 @@ import json
 
 import pytest
 
-from tests.integration.http_client import router_with_one_pair
-from tests.integration.mesh import Mesh
+from tests.integration.mesh import mesh_with_router
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -51,13 +50,10 @@ RECORD = {
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    m = Mesh(tmp_path_factory.mktemp("responses"))
-    try:
-        _, _, r = router_with_one_pair(m, "--request-timeout", "120")
-        client = openai.OpenAI(base_url=r.http_url + "/v1", api_key="x", max_retries=0, timeout=120)
-        yield m, client
-    finally:
-        m.close()
+    with mesh_with_router(tmp_path_factory.mktemp("responses"), router_flags=("--request-timeout", "120")) as (
+        m, _, _, r
+    ):
+        yield m, openai.OpenAI(base_url=r.http_url + "/v1", api_key="x", max_retries=0, timeout=120)
 
 
 def _chat_text(client, max_tokens: int) -> tuple[str, int, int]:
@@ -107,15 +103,11 @@ def tools_mesh(tmp_path_factory):
     from services.fakes.hf_checkpoints import save_tiny_qwen2_tools
 
     folder = save_tiny_qwen2_tools(tmp_path_factory.mktemp("ckpt") / "tiny-qwen2-tools")
-    m = Mesh(tmp_path_factory.mktemp("responses-tools"))
-    try:
-        model = ("--model", str(folder))
-        ps, ds = m.start_workers(1, 1, model, model)
-        r = m.start_router(ps, ds, *model, "--request-timeout", "120")
+    model = ("--model", str(folder))
+    with mesh_with_router(tmp_path_factory.mktemp("responses-tools"), 1, 1, model, model,
+                          (*model, "--request-timeout", "120")) as (m, _, _, r):
         client = openai.OpenAI(base_url=r.http_url + "/v1", api_key="x", max_retries=0, timeout=120)
         yield m, client, folder.name
-    finally:
-        m.close()
 
 
 def _check_call(item) -> dict:

@@ -19,8 +19,8 @@ from services.common.tokenizer import load_tokenizer
 from services.engine.kv_pool import KVPool
 from services.engine.loader import load_model
 from services.engine.local_generate import generate_full
-from tests.integration.http_client import post_json, router_with_one_pair, stream_events
-from tests.integration.mesh import Mesh
+from tests.integration.http_client import post_json, stream_events
+from tests.integration.mesh import mesh_with_router
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -30,12 +30,10 @@ TOK = load_tokenizer(None)  # the default model's: models/pdmesh-tiny
 
 @pytest.fixture(scope="module")
 def router(tmp_path_factory):
-    m = Mesh(tmp_path_factory.mktemp("choices"))
-    try:
-        p, d, r = router_with_one_pair(m, "--request-timeout", "60")
+    with mesh_with_router(tmp_path_factory.mktemp("choices"), router_flags=("--request-timeout", "60")) as (
+        m, (p,), (d,), r
+    ):
         yield m, p, d, r
-    finally:
-        m.close()
 
 
 def test_n_choices_are_seeded_reproducible_and_streamed_with_their_index(router):

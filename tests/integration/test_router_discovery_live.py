@@ -10,10 +10,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_router_resolves_worker_names(mesh):
-    p = mesh.start_prefill(wait=False)
-    d = mesh.start_decode(wait=False)
-    mesh.wait_healthy(p)
-    mesh.wait_healthy(d)
+    (p,), (d,) = mesh.start_workers(1, 1)
     router = mesh.start_router([f"localhost:{p.grpc_port}"], [f"localhost:{d.grpc_port}"])
     health = httpx.get(router.http_url + "/health", timeout=5).json()
     assert list(health["prefill"]) == [p.grpc_addr] and list(health["decode"]) == [d.grpc_addr]

@@ -22,7 +22,7 @@ import pytest
 
 from services.common.sampling_params import SamplingParams
 from services.common.tokenizer import load_tokenizer
-from tests.integration.mesh import Mesh, wait_for
+from tests.integration.mesh import Mesh, mesh_with_router, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -53,13 +53,9 @@ def healthy(r, role: str, proc) -> bool:
 
 @pytest.fixture(scope="module")
 def one_p_two_d(tmp_path_factory):
-    m = Mesh(tmp_path_factory.mktemp("router-failover"))
-    try:
-        (p,), ds = m.start_workers(1, 2, PREFILL_FLAGS, DECODE_FLAGS)
-        r = m.start_router([p], ds, *ROUTER_FLAGS)
+    with mesh_with_router(tmp_path_factory.mktemp("router-failover"), 1, 2, PREFILL_FLAGS, DECODE_FLAGS,
+                          ROUTER_FLAGS) as (m, (p,), ds, r):
         yield m, p, ds, r
-    finally:
-        m.close()
 
 
 def test_frozen_decode_costs_the_client_nothing(one_p_two_d):

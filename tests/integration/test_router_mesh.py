@@ -29,7 +29,7 @@ import pytest
 from services.common.sampling_params import SamplingParams
 from services.common.tokenizer import load_tokenizer
 from services.fakes.worker_client import generate
-from tests.integration.mesh import Mesh, wait_for
+from tests.integration.mesh import mesh_with_router, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -47,16 +47,9 @@ ROUTER_FLAGS = ("--health-check-interval", "0.5", "--health-check-timeout", "0.5
 @pytest.fixture(scope="module")
 def basic(tmp_path_factory):
     """One prefill, one decode, one router, shared by the tests that leave them healthy."""
-    m = Mesh(tmp_path_factory.mktemp("router-basic"))
-    try:
-        p = m.start_prefill(*PREFILL_FLAGS, wait=False)
-        d = m.start_decode(*DECODE_FLAGS, wait=False)
-        m.wait_healthy(p)
-        m.wait_healthy(d)
-        r = m.start_router([p], [d], *ROUTER_FLAGS, "--request-timeout", "30")
+    with mesh_with_router(tmp_path_factory.mktemp("router-basic"), 1, 1, PREFILL_FLAGS, DECODE_FLAGS,
+                          (*ROUTER_FLAGS, "--request-timeout", "30")) as (m, (p,), (d,), r):
         yield m, p, d, r
-    finally:
-        m.close()
 
 
 def worker_requests(*procs) -> float:

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from services.common.tokenizer import load_tokenizer
-from tests.integration.mesh import Mesh, wait_for
+from tests.integration.mesh import Mesh, mesh_with_router, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -39,13 +39,9 @@ PROMPT = "Once upon a time, in a mesh far away"
 
 @pytest.fixture(scope="module")
 def mesh3(tmp_path_factory):
-    m = Mesh(tmp_path_factory.mktemp("router-migration"))
-    try:
-        (p,), ds = m.start_workers(1, 2, PREFILL_FLAGS, DECODE_FLAGS)
-        r = m.start_router([p], ds, *ROUTER_FLAGS)
+    with mesh_with_router(tmp_path_factory.mktemp("router-migration"), 1, 2, PREFILL_FLAGS, DECODE_FLAGS,
+                          ROUTER_FLAGS) as (m, (p,), ds, r):
         yield m, p, ds, r
-    finally:
-        m.close()
 
 
 def body(**kw) -> dict:

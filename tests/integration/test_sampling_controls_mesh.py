@@ -41,10 +41,8 @@ CONTROLS = {
 def workers(tmp_path_factory):
     mesh = Mesh(tmp_path_factory.mktemp("controls"))
     try:
-        p = mesh.start_prefill("--model", MODEL, wait=False)
-        d = mesh.start_decode("--model", MODEL, "--num-pages", str(PAGES), "--page-size", str(PAGE), wait=False)
-        mesh.wait_healthy(p)
-        mesh.wait_healthy(d)
+        decode_flags = ("--model", MODEL, "--num-pages", str(PAGES), "--page-size", str(PAGE))
+        (p,), (d,) = mesh.start_workers(1, 1, ("--model", MODEL), decode_flags)
         yield mesh, p, d
     finally:
         mesh.close()

@@ -17,8 +17,8 @@ from services.engine.kv_pool import KVPool
 from services.engine.loader import load_model
 from services.engine.local_generate import generate_full
 from services.router.protocol import bad_word_sequences
-from tests.integration.http_client import post_json, router_with_one_pair, stream_events
-from tests.integration.mesh import Mesh
+from tests.integration.http_client import post_json, stream_events
+from tests.integration.mesh import mesh_with_router
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -30,12 +30,10 @@ PROMPTS = ["The quick brown fox", "Return the value", "A list of", "Open the fil
 
 @pytest.fixture(scope="module")
 def router(tmp_path_factory):
-    m = Mesh(tmp_path_factory.mktemp("vllm"))
-    try:
-        p, d, r = router_with_one_pair(m, "--request-timeout", "120")
+    with mesh_with_router(tmp_path_factory.mktemp("vllm"), router_flags=("--request-timeout", "120")) as (
+        m, (p,), (d,), r
+    ):
         yield m, p, d, r
-    finally:
-        m.close()
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 4321}],

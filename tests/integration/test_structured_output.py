@@ -25,8 +25,8 @@ from services.common.sampling_params import SamplingParams
 from services.engine.grammar import GrammarRegistry, build_tokenizer
 from services.fakes.random_schemas import random_schema
 from services.fakes.worker_client import generate
-from tests.integration.http_client import post_json, router_with_one_pair, stream_events
-from tests.integration.mesh import Mesh
+from tests.integration.http_client import post_json, stream_events
+from tests.integration.mesh import Mesh, mesh_with_router
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -37,12 +37,10 @@ MAX_TOKENS = 400
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    m = Mesh(tmp_path_factory.mktemp("structured"))
-    try:
-        p, d, r = router_with_one_pair(m, "--request-timeout", "120")
+    with mesh_with_router(tmp_path_factory.mktemp("structured"), router_flags=("--request-timeout", "120")) as (
+        m, (p,), (d,), r
+    ):
         yield m, p, d, r
-    finally:
-        m.close()
 
 
 def _post(r, path: str, body: dict) -> dict:

@@ -23,7 +23,7 @@ import json
 import pytest
 
 from services.common.tokenizer import load_tokenizer
-from tests.integration.mesh import Mesh
+from tests.integration.mesh import mesh_with_router
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -65,14 +65,10 @@ def mesh(tmp_path_factory):
     from services.fakes.hf_checkpoints import save_tiny_qwen2_tools
 
     folder = save_tiny_qwen2_tools(tmp_path_factory.mktemp("ckpt") / "tiny-qwen2-tools")
-    m = Mesh(tmp_path_factory.mktemp("tools-mesh"))
-    try:
-        model = ("--model", str(folder))
-        ps, ds = m.start_workers(1, 1, model, model)
-        r = m.start_router(ps, ds, *model, "--request-timeout", "60")
+    model = ("--model", str(folder))
+    with mesh_with_router(tmp_path_factory.mktemp("tools-mesh"), 1, 1, model, model,
+                          (*model, "--request-timeout", "60")) as (m, _, _, r):
         yield m, r, folder
-    finally:
-        m.close()
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ aborts at every stage, and the event loop staying responsive during a long forwa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 
@@ -32,10 +33,7 @@ CHUNK = 64
 def plain(tmp_path_factory):
     m = Mesh(tmp_path_factory.mktemp("plain"))
     try:
-        p = m.start_prefill("--chunked-prefill-size", str(CHUNK), wait=False)
-        d = m.start_decode(wait=False)
-        m.wait_healthy(p)
-        m.wait_healthy(d)
+        (p,), (d,) = m.start_workers(1, 1, ("--chunked-prefill-size", str(CHUNK)), ())
         yield m, p, d
     finally:
         m.close()
@@ -94,12 +92,18 @@ def test_eos_stops_generation(plain, reference_model):
     m.assert_invariants()
 
 
+@contextlib.asynccontextmanager
+async def _worker_stubs(p, d):
+    """Prefill's and decode's stubs, each over its own channel."""
+    async with channel(p.grpc_addr) as pch, channel(d.grpc_addr) as dch:
+        yield wpb_grpc.PrefillStub(pch), wpb_grpc.DecodeStub(dch)
+
+
 def test_bad_requests_get_invalid_argument(plain):
     m, p, d = plain
 
     async def calls():
-        async with channel(p.grpc_addr) as pch, channel(d.grpc_addr) as dch:
-            pst, dst = wpb_grpc.PrefillStub(pch), wpb_grpc.DecodeStub(dch)
+        async with _worker_stubs(p, d) as (pst, dst):
             good = params_to_pb(SamplingParams(temperature=0, max_tokens=4))
             cases = [
                 pst.Prefill(wpb.PrefillRequest(room=new_room(), token_ids=[], params=good), timeout=5),
@@ -141,8 +145,7 @@ def test_abort_in_bootstrap_and_while_running(plain):
     m, p, d = plain
 
     async def scenario():
-        async with channel(p.grpc_addr) as pch, channel(d.grpc_addr) as dch:
-            pst, dst = wpb_grpc.PrefillStub(pch), wpb_grpc.DecodeStub(dch)
+        async with _worker_stubs(p, d) as (pst, dst):
             # bootstrap: prefill holds the room, no decode ever attaches; the caller goes away
             params = params_to_pb(SamplingParams(temperature=0, max_tokens=4))
             await _cancel_when(

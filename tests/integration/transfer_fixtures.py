@@ -212,6 +212,14 @@ class Peers:
             p.wait_ready()
         return p
 
+    def start_receivers(self, worker_ids: dict[str, str]) -> list[PeerProc]:
+        """Receivers (name -> --worker-id) started side by side, then waited for, in that order."""
+        rxs = [self.start("receiver", "--worker-id", worker_id, name=name, wait=False)
+               for name, worker_id in worker_ids.items()]
+        for rx in rxs:
+            rx.wait_ready()
+        return rxs
+
     def close(self) -> None:
         for p in self.procs:
             try:

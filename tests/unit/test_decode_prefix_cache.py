@@ -18,10 +18,10 @@ from services.common.metrics import Metrics
 from services.common.sampling_params import SamplingParams
 from services.decode.jobs import Phase
 from services.decode.worker import DecodeWorker
-from services.engine.worker_engine import WorkerEngine
 from services.transfer.receiver import KVReceiver
 from services.transfer.state import RoomState
 from services.transfer.wire_format import AuxRow
+from tests.unit.prefix_cache_engine import empty_cache_then_whole_pool, random_engine_with_prefix_cache
 from tests.unit.test_transfer_managers import FakeAgent
 
 P = 16
@@ -59,18 +59,15 @@ class FakeCoordinator:
 
 @pytest.fixture(scope="module")
 def engine():
-    return WorkerEngine("builtin-random", "cpu", "float32", 32, P, prefix_cache=True)
+    return random_engine_with_prefix_cache(32, P)
 
 
 @pytest.fixture
 def worker(engine):
-    engine.prefix_cache.clear()
-    receiver = KVReceiver(FakeAgent("D1", 10, 0, 100_000), engine.pool)
-    w = DecodeWorker(engine, receiver, FakeCoordinator(receiver), Metrics("decode", "m", "w"), Faults(), 8,
-                     quarantine_retry=0.01)
-    yield w
-    engine.prefix_cache.check_integrity()
-    assert engine.pool.allocator.is_whole()  # every page free, or cached with no holder
+    with empty_cache_then_whole_pool(engine):
+        receiver = KVReceiver(FakeAgent("D1", 10, 0, 100_000), engine.pool)
+        yield DecodeWorker(engine, receiver, FakeCoordinator(receiver), Metrics("decode", "m", "w"), Faults(), 8,
+                           quarantine_retry=0.01)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
@@ -87,6 +84,20 @@ async def admitted(w, room, ids, prefill=PREFILL):
 def arrive(w, job, cached_tokens=0):
     """Prefill's KV and first token land (the receiver's success, as the poller reports it)."""
     w._on_kv(job.room, RoomState.SUCCESS, None, AuxRow(job.room, 5, -0.5, 500, cached_tokens))
+
+
+async def first_round_cached(w):
+    """Room 1 (PROMPT) gets its KV and ends: its two full pages stay cached."""
+    first = await admitted(w, 1, PROMPT)
+    arrive(w, first)
+    w.abort(1, "done")
+
+
+async def quarantine_emptied(w):
+    for _ in range(100):
+        if not w.admission.has_quarantine:
+            break
+        await asyncio.sleep(0.01)
 
 
 def test_a_finished_round_stays_cached_and_the_next_attaches_for_the_delta_only(worker, engine):
@@ -120,9 +131,7 @@ def test_a_room_that_ends_awaiting_its_kv_quarantines_what_prefill_may_touch(wor
     worker.offer_held_prefix = offer
 
     async def go():
-        first = await admitted(worker, 1, PROMPT)
-        arrive(worker, first)
-        worker.abort(1, "done")
+        await first_round_cached(worker)
         shared = list(engine.prefix_cache.match(NEXT))
         second = await admitted(worker, 2, NEXT)
         assert second.phase is Phase.AWAITING_KV and second.pages[:2] == shared
@@ -135,10 +144,7 @@ def test_a_room_that_ends_awaiting_its_kv_quarantines_what_prefill_may_touch(wor
         else:
             assert set(held.pages).isdisjoint(shared)
             assert all(engine.pool.allocator.holders_of(p) == set() for p in shared)  # let go at once
-        for _ in range(100):
-            if not worker.admission.has_quarantine:
-                break
-            await asyncio.sleep(0.01)
+        await quarantine_emptied(worker)
         assert not worker.admission.has_quarantine and worker.coordinator.aborted == [2]
         assert engine.prefix_cache.num_pages == 2  # nothing of the failed room was cached
 
@@ -147,9 +153,7 @@ def test_a_room_that_ends_awaiting_its_kv_quarantines_what_prefill_may_touch(wor
 
 def test_a_colocated_request_computes_from_the_end_of_its_hit(worker, engine):
     async def go():
-        first = await admitted(worker, 1, PROMPT)
-        arrive(worker, first)
-        worker.abort(1, "done")
+        await first_round_cached(worker)
         job = await admitted(worker, 3, NEXT, prefill="")
         assert job.phase is Phase.PREFILLING and job.prefilled == job.cached_tokens == job.usage_cached_tokens == 32
         worker.abort(3, "done")  # ended PREFILLING having computed nothing more: no new pages cached
@@ -160,17 +164,12 @@ def test_a_colocated_request_computes_from_the_end_of_its_hit(worker, engine):
 
 def test_reset_forgets_every_cached_page(worker, engine):
     async def go():
-        first = await admitted(worker, 1, PROMPT)
-        arrive(worker, first)
-        worker.abort(1, "done")
+        await first_round_cached(worker)
         assert worker.reset_prefix_cache() == 2 and engine.pool.allocator.num_free == 32
         again = await admitted(worker, 2, PROMPT)
         assert again.cached_tokens == 0 and worker.coordinator.attached[2][1] == 0
         worker.abort(2, "done")
-        for _ in range(100):
-            if not worker.admission.has_quarantine:
-                break
-            await asyncio.sleep(0.01)
+        await quarantine_emptied(worker)
 
     asyncio.run(go())
 

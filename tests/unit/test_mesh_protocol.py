@@ -5,6 +5,7 @@ admitted again once it fits; compatible skew is accepted. Real gRPC with fake wo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 
@@ -31,6 +32,20 @@ async def _pool(prefill, decode) -> WorkerPool:
     return pool
 
 
+@contextlib.asynccontextmanager
+async def _probed_pool(prefill, decode):
+    """The fake workers serving, and a router pool that has probed them once; all stopped after."""
+    await prefill.start()
+    await decode.start()
+    pool = await _pool(prefill, decode)
+    try:
+        yield pool
+    finally:
+        await pool.close()
+        await prefill.stop()
+        await decode.stop()
+
+
 class _Log:
     """Records the pool's log calls (whatever another test did to the logging configuration)."""
 
@@ -54,10 +69,7 @@ def test_a_worker_with_an_incompatible_version_is_ejected_with_a_clear_line(monk
 
 async def _incompatible_worker_is_ejected():
     prefill, decode = FakePrefill(), FakeDecode()
-    await prefill.start()
-    await decode.start()
-    pool = await _pool(prefill, decode)
-    try:
+    async with _probed_pool(prefill, decode) as pool:
         assert all(w.healthy for w in pool.workers)
         (d,) = pool.decodes
         # the probe tells the worker this router's versions
@@ -73,10 +85,6 @@ async def _incompatible_worker_is_ejected():
         # one release newer that still speaks ours: fine
         decode.min_protocol_version = MIN_PEER_VERSION
         assert await pool.probe(d) and d.healthy
-    finally:
-        await pool.close()
-        await prefill.stop()
-        await decode.stop()
 
 
 def test_worker_refuses_a_router_below_its_minimum():
@@ -96,14 +104,7 @@ class _RefusingDecode(FakeDecode):
 
 async def _worker_refuses():
     prefill, decode = FakePrefill(), _RefusingDecode()
-    await prefill.start()
-    await decode.start()
-    pool = await _pool(prefill, decode)
-    try:
+    async with _probed_pool(prefill, decode) as pool:
         (d,) = pool.decodes
         assert not d.healthy
         assert "refuses this router" in d.last_error and "older than this side's minimum" in d.last_error
-    finally:
-        await pool.close()
-        await prefill.stop()
-        await decode.stop()

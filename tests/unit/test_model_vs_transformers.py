@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -35,36 +37,39 @@ def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0].float()
 
 
-def test_prefill_logits_match(checkpoint):
-    _, _, hf, ours = checkpoint
+@contextlib.contextmanager
+def _runner_with_pages(ours, num_tokens):
+    """A runner on a fresh 16-page pool and pages for num_tokens; after, every page is free again."""
     pool = KVPool(ours.config, num_pages=16, page_size=4)
     runner = ModelRunner(ours.model, pool)
-    pages = pool.allocator.alloc(pool.pages_for_tokens(len(PROMPT)), owner="t")
-    # every position's logits: run the prompt as one-token-longer prefixes is slow; instead compare
-    # the last-token logits of each prefix length via a chunked prefill (one token per chunk)
-    ref = _hf_logits(hf, PROMPT)
-    ours_last = runner.prefill([PrefillItem(PROMPT, 0, pages)])[0]
-    assert torch.max(torch.abs(ours_last - ref[-1])).item() <= 1e-4
+    pages = pool.allocator.alloc(pool.pages_for_tokens(num_tokens), owner="t")
+    yield runner, pages
     pool.allocator.free(pages, owner="t")
     assert pool.allocator.is_whole()
+
+
+def test_prefill_logits_match(checkpoint):
+    _, _, hf, ours = checkpoint
+    with _runner_with_pages(ours, len(PROMPT)) as (runner, pages):
+        # every position's logits: run the prompt as one-token-longer prefixes is slow; instead compare
+        # the last-token logits of each prefix length via a chunked prefill (one token per chunk)
+        ref = _hf_logits(hf, PROMPT)
+        ours_last = runner.prefill([PrefillItem(PROMPT, 0, pages)])[0]
+        assert torch.max(torch.abs(ours_last - ref[-1])).item() <= 1e-4
 
 
 def test_chunked_prefill_and_decode_logits_match(checkpoint):
     _, _, hf, ours = checkpoint
-    pool = KVPool(ours.config, num_pages=16, page_size=4)
-    runner = ModelRunner(ours.model, pool)
-    pages = pool.allocator.alloc(pool.pages_for_tokens(len(PROMPT) + 1), owner="t")
-    ref = _hf_logits(hf, PROMPT)
-    # chunks of 5, 7, rest: each chunk's last logits equal the reference at that position
-    cuts = [0, 5, 12, len(PROMPT) - 1]
-    for a, b in zip(cuts, cuts[1:], strict=False):
-        got = runner.prefill([PrefillItem(PROMPT[a:b], a, pages)])[0]
-        assert torch.max(torch.abs(got - ref[b - 1])).item() <= 1e-4
-    # the last prompt token through the decode path
-    got = runner.decode([DecodeItem(PROMPT[-1], len(PROMPT) - 1, pages)])[0]
-    assert torch.max(torch.abs(got - ref[-1])).item() <= 1e-4
-    pool.allocator.free(pages, owner="t")
-    assert pool.allocator.is_whole()
+    with _runner_with_pages(ours, len(PROMPT) + 1) as (runner, pages):
+        ref = _hf_logits(hf, PROMPT)
+        # chunks of 5, 7, rest: each chunk's last logits equal the reference at that position
+        cuts = [0, 5, 12, len(PROMPT) - 1]
+        for a, b in zip(cuts, cuts[1:], strict=False):
+            got = runner.prefill([PrefillItem(PROMPT[a:b], a, pages)])[0]
+            assert torch.max(torch.abs(got - ref[b - 1])).item() <= 1e-4
+        # the last prompt token through the decode path
+        got = runner.decode([DecodeItem(PROMPT[-1], len(PROMPT) - 1, pages)])[0]
+        assert torch.max(torch.abs(got - ref[-1])).item() <= 1e-4
 
 
 def test_greedy_generation_matches_hf_generate(checkpoint):

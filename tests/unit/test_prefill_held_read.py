@@ -17,10 +17,10 @@ import torch
 from services.common.faults import Faults
 from services.common.metrics import Metrics
 from services.engine.runner import PrefillItem
-from services.engine.worker_engine import WorkerEngine
 from services.prefill.jobs import Phase, PrefillResult
 from services.prefill.worker import PrefillWorker
 from services.transfer.reader import ReadOutcome
+from tests.unit.prefix_cache_engine import empty_cache_then_whole_pool, random_engine_with_prefix_cache
 from tests.unit.test_prefill_prefix_cache import GREEDY, HISTORY, NEXT, P, counter, from_scratch, gauge
 from tests.unit.test_prefill_sharing import FakeSender
 
@@ -60,20 +60,17 @@ class ReadSender(FakeSender):
 
 @pytest.fixture(scope="module")
 def engine():
-    return WorkerEngine("builtin-random", "cpu", "float32", 64, P, prefix_cache=True)
+    return random_engine_with_prefix_cache(64, P)
 
 
 @pytest.fixture
 def decode_pages(engine):
     """NEXT's first four full pages as decode holds them (its max hit for 70 tokens: 69 // 16)."""
-    engine.prefix_cache.clear()
-    engine.pool.kv.zero_()
-    pages = engine.pool.allocator.alloc(4, owner="decode")
-    engine.runner.prefill([PrefillItem(NEXT[: 4 * P], 0, pages)])
-    yield pages
-    engine.pool.allocator.free(pages, owner="decode")
-    engine.prefix_cache.check_integrity()
-    assert engine.pool.allocator.is_whole()
+    with empty_cache_then_whole_pool(engine, zero_kv=True):
+        pages = engine.pool.allocator.alloc(4, owner="decode")
+        engine.runner.prefill([PrefillItem(NEXT[: 4 * P], 0, pages)])
+        yield pages
+        engine.pool.allocator.free(pages, owner="decode")
 
 
 def make_worker(engine, held, read=True):
@@ -106,12 +103,17 @@ async def first_round(w):
     w.finish(job, PrefillResult(0, 0.0, len(HISTORY), 0, 0.0))  # prefill now caches HISTORY's 2 pages
 
 
+async def second_round_submitted(w):
+    """The first round done, the next one (NEXT, room 2) submitted: its job."""
+    await first_round(w)
+    return w.submit(2, list(NEXT), GREEDY)
+
+
 def test_the_pages_decode_holds_beyond_the_own_hit_are_read_and_only_the_suffix_is_computed(engine, decode_pages):
     w = make_worker(engine, decode_pages)
 
     async def go():
-        await first_round(w)
-        job = w.submit(2, list(NEXT), GREEDY)
+        job = await second_round_submitted(w)
         pages, token, kv = await run_until_sent(w, 2)
         assert job.cached_tokens == 64 and job.prefilled == len(NEXT)
         assert_like_scratch(engine, token, kv)
@@ -129,8 +131,7 @@ def test_a_job_is_not_scheduled_while_its_read_runs(engine, decode_pages):
     w.sender.mode = "later"
 
     async def go():
-        await first_round(w)
-        job = w.submit(2, list(NEXT), GREEDY)
+        job = await second_round_submitted(w)
         assert w._pick_batch() == []  # it took its pages and started the READ
         assert job.phase is Phase.READING and gauge(w, "num_queue_reqs") == 1 and w.load() == (1, 0)
         assert w._pick_batch() == []
@@ -150,8 +151,7 @@ def test_a_failed_or_disabled_read_computes_those_tokens_and_gives_the_same_kv(e
     w.sender.mode = "fail"
 
     async def go():
-        await first_round(w)
-        job = w.submit(2, list(NEXT), GREEDY)
+        job = await second_round_submitted(w)
         pages, token, kv = await run_until_sent(w, 2)
         assert job.cached_tokens == 32
         assert_like_scratch(engine, token, kv)
@@ -169,8 +169,7 @@ def test_a_job_aborted_during_its_read_lets_go_of_its_pages(engine, decode_pages
     w.sender.mode = "later"
 
     async def go():
-        await first_round(w)
-        job = w.submit(2, list(NEXT), GREEDY)
+        job = await second_round_submitted(w)
         w._pick_batch()
         assert job.phase is Phase.READING
         w.abort(2, "client went away")

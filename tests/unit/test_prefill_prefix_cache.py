@@ -14,9 +14,9 @@ from services.common.faults import Faults
 from services.common.metrics import Metrics
 from services.common.sampling_params import SamplingParams
 from services.engine.runner import PrefillItem
-from services.engine.worker_engine import WorkerEngine
 from services.prefill.jobs import PrefillResult
 from services.prefill.worker import PrefillWorker
+from tests.unit.prefix_cache_engine import empty_cache_then_whole_pool, random_engine_with_prefix_cache
 from tests.unit.test_prefill_sharing import FakeSender
 
 P = 16
@@ -27,17 +27,13 @@ NEXT = HISTORY + [30 + (i * 5) % 60 for i in range(30)]  # the next round: 70 to
 
 @pytest.fixture(scope="module")
 def engine():
-    return WorkerEngine("builtin-random", "cpu", "float32", 64, P, prefix_cache=True)
+    return random_engine_with_prefix_cache(64, P)
 
 
 @pytest.fixture
 def worker(engine):
-    engine.prefix_cache.clear()
-    engine.pool.kv.zero_()
-    w = PrefillWorker(engine, FakeSender(), Metrics("prefill", "m", "w"), Faults(), 512)
-    yield w
-    engine.prefix_cache.check_integrity()
-    assert engine.pool.allocator.is_whole()  # every page free, or cached with no holder
+    with empty_cache_then_whole_pool(engine, zero_kv=True):
+        yield PrefillWorker(engine, FakeSender(), Metrics("prefill", "m", "w"), Faults(), 512)
 
 
 def counter(w, name):

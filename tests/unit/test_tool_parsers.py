@@ -57,6 +57,14 @@ def cuts(text: str, rng: random.Random) -> list[str]:
     return pieces
 
 
+def assert_parses_as(fmt, text: str, content, calls):
+    """The whole reply parses into this content and these (name, arguments) calls."""
+    parsed = fmt.parse(text)
+    assert parsed.content == content
+    assert [(c.name, c.arguments) for c in parsed.calls] == calls
+    return parsed
+
+
 def check_stream_equals_whole(fmt, text: str, seeds: int = 12) -> None:
     whole = fmt.parse(text)
     chunkings = [[text], list(text)] + [cuts(text, random.Random(s)) for s in range(seeds)]
@@ -98,9 +106,7 @@ HERMES_CASES = [
 
 @pytest.mark.parametrize("text,content,calls", HERMES_CASES)
 def test_hermes_whole(text, content, calls):
-    parsed = HERMES.parse(text)
-    assert parsed.content == content
-    assert [(c.name, c.arguments) for c in parsed.calls] == calls
+    parsed = assert_parses_as(HERMES, text, content, calls)
     for c in parsed.calls:
         assert isinstance(json.loads(c.arguments), dict)
         assert c.to_openai()["type"] == "function" and c.id.startswith("call_")
@@ -218,9 +224,7 @@ LLAMA_CASES = [
 
 @pytest.mark.parametrize("text,content,calls", LLAMA_CASES)
 def test_llama3_json_whole(text, content, calls):
-    parsed = LLAMA.parse(text)
-    assert parsed.content == content
-    assert [(c.name, c.arguments) for c in parsed.calls] == calls
+    assert_parses_as(LLAMA, text, content, calls)
 
 
 @pytest.mark.parametrize("text,content,calls", [c for c in LLAMA_CASES if "cut short" not in c[0] and

@@ -134,6 +134,16 @@ def register(s, worker="D", name="D1", epoch=10):
     s.register_peer(worker, name, epoch, name.encode(), DEC_LAYOUT)
 
 
+def make_sender_with_room_1_sent(**kw):
+    """make_sender(), with peer D1 registered and room 1 attached to it and sent."""
+    s, agent, clock, done = make_sender(**kw)
+    register(s)
+    s.create_room(1)
+    s.attach(1, "D1", 10, [0], 0)
+    s.send(1, [0], 5, -1.0)
+    return s, agent, clock, done
+
+
 def test_happy_path_sender():
     s, agent, clock, done = make_sender()
     register(s)
@@ -322,11 +332,7 @@ def test_vram_kv_goes_in_two_stages_aux_last():
 
 
 def test_stall_before_post_knob():
-    s, agent, clock, done = make_sender(stall_before_post=2.0)
-    register(s)
-    s.create_room(1)
-    s.attach(1, "D1", 10, [0], 0)
-    s.send(1, [0], 5, -1.0)
+    s, agent, clock, done = make_sender_with_room_1_sent(stall_before_post=2.0)
     assert agent.posted == [] and s.poll() == 1
     clock.t = 2.5
     s.poll()
@@ -334,11 +340,7 @@ def test_stall_before_post_knob():
 
 
 def test_watchdog_failure_releases_handle_and_aux_slot():
-    s, agent, clock, done = make_sender()
-    register(s)
-    s.create_room(1)
-    s.attach(1, "D1", 10, [0], 0)
-    s.send(1, [0], 5, -1.0)
+    s, agent, clock, done = make_sender_with_room_1_sent()
     assert agent.num_live_handles == 1
     clock.t = 61
     assert [e.room for e in s.rooms.expired({S.TRANSFERRING: 60})] == [1]
@@ -351,11 +353,7 @@ def test_watchdog_failure_releases_handle_and_aux_slot():
 
 
 def test_no_abort_notification_to_a_peer_that_is_gone():
-    s, agent, clock, done = make_sender()
-    register(s)
-    s.create_room(1)
-    s.attach(1, "D1", 10, [0], 0)
-    s.send(1, [0], 5, -1.0)
+    s, agent, clock, done = make_sender_with_room_1_sent()
     agent.posted[-1].state = "ERR"  # disconnect
     s.poll()
     assert s.rooms.get(1).state == S.FAILED and agent.sent == []

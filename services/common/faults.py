@@ -17,6 +17,9 @@ is logged loudly at start so nobody runs a faulty worker by accident.
   corrupt_kv_read         decode offers its held prefix pages with a wrong checksum for the last
                           one, so prefill's READ (which always takes the last) fails verification
   sigstop_after_attach    decode freezes itself (SIGSTOP) right after its first attach
+  sigstop_after_held_attach
+                          decode freezes itself right after its first attach that offers held
+                          prefix pages for prefill to READ (a freeze between offer and READ)
   delay_forward=SECONDS   every forward sleeps this long first (engine thread, either worker)
   fail_forward[=P]        every forward raises (bare), or each with probability P, drawn from
                           a generator seeded with `fault_seed` (default 0) so runs repeat
@@ -48,6 +51,7 @@ KNOWN: dict[str, tuple[type, object]] = {
     "stall_kv_read": (bool, True),
     "corrupt_kv_read": (bool, True),
     "sigstop_after_attach": (bool, True),
+    "sigstop_after_held_attach": (bool, True),
     "delay_forward": (float, None),
     "fail_forward": (float, 1.0),
     "hang_forward": (float, None),
@@ -72,6 +76,7 @@ class Faults:
     stall_kv_read: bool = False  # prefill: READs of decode's held prefix run into their deadline
     corrupt_kv_read: bool = False  # decode: the last held page's checksum in Attach is wrong
     sigstop_after_attach: bool = False
+    sigstop_after_held_attach: bool = False
     delay_forward: float = 0.0
     fail_forward: float = 0.0  # probability that one forward raises
     hang_forward: float = 0.0

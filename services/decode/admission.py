@@ -127,7 +127,8 @@ class Admission:
             return
         if job.phase is Phase.ATTACHING:  # the KV may already have arrived (RUNNING)
             job.phase = Phase.AWAITING_KV
-        if self.worker.faults.sigstop_after_attach and not self._froze_once:
+        f = self.worker.faults
+        if (f.sigstop_after_attach or (f.sigstop_after_held_attach and job.offered_pages)) and not self._froze_once:
             self._froze_once = True
             log.warning("FAULT INJECTION: freezing this process (SIGSTOP) right after attach", room=job.room)
             os.kill(os.getpid(), signal.SIGSTOP)

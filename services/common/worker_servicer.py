@@ -1,10 +1,9 @@
 """What the prefill and decode servicers answer alike: the checks a room passes before it is
-submitted (draining, --max-model-len, sampling parameters and grammar, KV capacity), and the
-Abort, Load and ResetPrefixCache RPCs.
+submitted (draining, --max-model-len, sampling parameters and grammar, KV capacity, a room
+already held), and the Abort, Load and ResetPrefixCache RPCs.
 
-Every refusal carries its code (services/common/refusal.py): the router fails a refused call
-over to another worker by that code, so the checks and their codes must be the same on both
-roles."""
+Every refusal carries its code (services/common/refusal.py): the router decides by that code
+whether another worker may take the call, so both roles refuse alike."""
 
 from __future__ import annotations
 
@@ -21,6 +20,7 @@ from services.common.mesh_protocol import MIN_PEER_VERSION, PROTOCOL_VERSION, in
 from services.common.refusal import Refusal, length_refusal, refuse
 from services.common.sampling_params import SamplingParams
 from services.common.wire import parse_request
+from services.transfer.state import DuplicateRoom
 
 
 async def refuse_if_draining(context) -> None:
@@ -40,11 +40,12 @@ class WorkerServicer(LaneServicerMixin):
         """What this role adds to its LoadReply (its transfer side's epoch, at least)."""
         raise NotImplementedError
 
-    async def admitted_params(self, request, context, ids: list[int], pages_for: int,
-                              check: Callable[[], None] = lambda: None) -> SamplingParams:
-        """The room's sampling parameters, once the room passed every check a worker makes before
-        it takes one; otherwise the call ends refused. `pages_for`: the tokens the room's KV pages
-        must hold from the start; `check`: the role's own checks of the request (ValueError: invalid)."""
+    async def admit(self, request, context, ids: list[int], pages_for: int, submit: Callable[[SamplingParams], Any],
+                    check: Callable[[], None] = lambda: None) -> Any:
+        """The room's job, submitted (`submit(params)`) once the room passed every check a worker
+        makes before it takes one; otherwise the call ends refused. `pages_for`: the tokens the
+        room's KV pages must hold from the start; `check`: the role's own checks of the request
+        (ValueError: invalid)."""
         engine = self.worker.engine
         too_long = length_refusal(len(ids), request.params.max_tokens, engine.config.max_model_len)
         if too_long:  # this worker's --max-model-len; another worker's may be longer: the router tries it
@@ -59,7 +60,10 @@ class WorkerServicer(LaneServicerMixin):
         if not engine.pool.can_ever_hold(pages_for):  # another worker's pool may: the router tries it (by this code)
             await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, Refusal.KV_CAPACITY,
                          f"prompt of {len(ids)} tokens needs more KV pages than this worker has")
-        return params
+        try:
+            return submit(params)
+        except DuplicateRoom as e:
+            await refuse(context, grpc.StatusCode.ALREADY_EXISTS, Refusal.DUPLICATE_ROOM, str(e))
 
     async def Abort(self, request, context):
         with bound_room(request.room):

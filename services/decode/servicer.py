@@ -20,12 +20,10 @@ from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.logging_setup import bound_room, get_logger
 from services.common.prompt_logprobs import to_pb
-from services.common.refusal import Refusal, refuse
 from services.common.wire import top_logprobs_pb
 from services.common.worker_servicer import WorkerServicer, refuse_if_draining
 from services.decode.jobs import coalesce
 from services.decode.worker import DecodeFailed, DecodeWorker
-from services.transfer.state import DuplicateRoom
 
 
 def _check_prefill_addr(request) -> None:
@@ -48,12 +46,9 @@ class DecodeServicer(WorkerServicer, wpb_grpc.DecodeServicer):
         with bound_room(room):
             ids = list(request.token_ids)
             # decode writes at least one token past the prompt into the room's pages
-            params = await self.admitted_params(request, context, ids, pages_for=len(ids) + 1,
-                                                check=lambda: _check_prefill_addr(request))
-            try:
-                job = self.worker.submit(room, ids, params, request.prefill_addr, request.canary)
-            except DuplicateRoom as e:
-                await refuse(context, grpc.StatusCode.ALREADY_EXISTS, Refusal.DUPLICATE_ROOM, str(e))
+            job = await self.admit(
+                request, context, ids, pages_for=len(ids) + 1, check=lambda: _check_prefill_addr(request),
+                submit=lambda params: self.worker.submit(room, ids, params, request.prefill_addr, request.canary))
             self.log.info("decode request", prompt_tokens=len(ids), prefill=request.prefill_addr or "colocated")
             done = False
             held = None  # a failure taken from the queue behind tokens: it ends the stream next

@@ -10,11 +10,9 @@ from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.logging_setup import bound_room, get_logger
 from services.common.prompt_logprobs import to_pb
-from services.common.refusal import Refusal, refuse
 from services.common.wire import top_logprobs_pb
 from services.common.worker_servicer import WorkerServicer, refuse_if_draining
 from services.prefill.worker import PrefillWorker, RoomFailed
-from services.transfer.state import DuplicateRoom
 
 
 class PrefillServicer(WorkerServicer, wpb_grpc.PrefillServicer):
@@ -28,11 +26,9 @@ class PrefillServicer(WorkerServicer, wpb_grpc.PrefillServicer):
         room = request.room
         with bound_room(room):
             ids = list(request.token_ids)
-            params = await self.admitted_params(request, context, ids, pages_for=len(ids))
-            try:
-                job = self.worker.submit(room, ids, params, request.share_key, request.canary)
-            except DuplicateRoom as e:
-                await refuse(context, grpc.StatusCode.ALREADY_EXISTS, Refusal.DUPLICATE_ROOM, str(e))
+            job = await self.admit(
+                request, context, ids, pages_for=len(ids),
+                submit=lambda params: self.worker.submit(room, ids, params, request.share_key, request.canary))
             self.log.info("prefill request", prompt_tokens=len(ids))
             try:
                 result = await job.future

@@ -98,10 +98,7 @@ def measure_evictions(mesh: Launcher, n: int, loaded: bool) -> dict:
 
 
 def measure_idle_cpu(mesh: Launcher, seconds: float) -> dict:
-    p = mesh.start_prefill(wait=False)
-    d = mesh.start_decode(wait=False)
-    mesh.wait_healthy(p)
-    mesh.wait_healthy(d)
+    (p,), (d,) = mesh.start_workers(1, 1)
     asyncio.run(fire(p, d, 1, 32))  # connect the pair once, as in service
     before = {w.role: cpu_seconds(w.popen.pid) for w in (p, d)}
     time.sleep(seconds)  # measuring idleness: nothing to wait on

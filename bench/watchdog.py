@@ -63,13 +63,9 @@ async def fire(p, d, n: int, prompt_len: int) -> None:
 
 
 def measure_evictions(mesh: Launcher, n: int, loaded: bool) -> dict:
-    p = mesh.start_prefill(
-        "--faults", "stall_transfer", "--inflight-timeout", str(INFLIGHT_TIMEOUT),
-        "--watchdog-interval", str(WATCHDOG_INTERVAL), "--chunked-prefill-size", "4096", wait=False,
-    )
-    d = mesh.start_decode(wait=False)
-    mesh.wait_healthy(p)
-    mesh.wait_healthy(d)
+    prefill_flags = ("--faults", "stall_transfer", "--inflight-timeout", str(INFLIGHT_TIMEOUT),
+                     "--watchdog-interval", str(WATCHDOG_INTERVAL), "--chunked-prefill-size", "4096")
+    (p,), (d,) = mesh.start_workers(1, 1, prefill_flags)
     if loaded:
         # long prompts keep the engine thread busy (~0.3-1 s forwards) while rooms age in inflight
         asyncio.run(fire(p, d, n, prompt_len=3000))

@@ -6,6 +6,7 @@ Every failure the router reports to a client is an `APIError`; the app turns it 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 # OpenAI's `type` per status; clients (the openai SDK included) key on the status, the type is for humans.
@@ -59,6 +60,17 @@ def invalid_type(param: str, expected: str, value: Any) -> APIError:
         param=param,
         code="invalid_type",
     )
+
+
+def each_object(items: list, where: str, expected: str = "an object") -> Iterator[tuple[str, dict[str, Any]]]:
+    """(its path, e.g. `messages[2]`, and the item) for each item of a request's array `where`, in
+    order; an item that is not a JSON object fails the request (invalid_type) when the walk
+    reaches it."""
+    for i, item in enumerate(items):
+        at = f"{where}[{i}]"
+        if not isinstance(item, dict):
+            raise invalid_type(at, expected, item)
+        yield at, item
 
 
 # the JSON type names of OpenAI's invalid_type message; bool before int, of which it is a subclass

@@ -38,11 +38,8 @@ class TransferSide(Generic[R]):
     def fail(self, room: int, reason: str) -> bool:
         """Fail a room (watchdog, heartbeat, abort, worker errors). False when unknown or already
         terminal."""
-        r = self.rooms.get(room)
-        if r is None:
-            self.rooms.dropped_events += 1
-            return False
-        return self._fail(r, reason)
+        r = self.rooms.for_event(room)
+        return r is not None and self._fail(r, reason)
 
     def _fail(self, r: R, reason: str) -> bool:
         raise NotImplementedError

@@ -148,9 +148,8 @@ class KVReceiver(TransferSide[ReceiverRoom]):
 
     def mark_attached(self, room: int, sender_agent: str, sender_epoch: int) -> bool:
         """The Attach RPC succeeded -> WaitingForInput. False if the room is gone or terminal."""
-        r = self.rooms.get(room)
-        if r is None or r.state.terminal:
-            self.rooms.dropped_events += 1
+        r = self.rooms.for_event(room, open_only=True)
+        if r is None:
             return False
         r.sender_agent, r.sender_epoch = sender_agent, sender_epoch
         r.attached_at = self.clock()
@@ -182,10 +181,9 @@ class KVReceiver(TransferSide[ReceiverRoom]):
                 if n is None:
                     self.stats["foreign_notifs"] += 1
                     continue
-                r = self.rooms.get(n.room)
-                if r is None or r.state.terminal:
+                r = self.rooms.for_event(n.room, open_only=True)
+                if r is None:
                     self.stats["dropped_notifs"] += 1  # late: the room is gone
-                    self.rooms.dropped_events += 1
                     continue
                 if r.state == RoomState.BOOTSTRAPPING:
                     if r.early is None:  # not even attaching: cannot be ours

@@ -335,9 +335,8 @@ class KVSender(TransferSide[SenderRoom]):
 
         False (nothing done) if the room is unknown or already terminal (a late event).
         Raises ValueError if the room is not attached yet (the scheduler must not run it)."""
-        r = self.rooms.get(room)
-        if r is None or r.state.terminal:
-            self.rooms.dropped_events += 1
+        r = self.rooms.for_event(room, open_only=True)
+        if r is None:
             return False
         if r.state != RoomState.WAITING_FOR_INPUT:
             raise ValueError(f"room {room} is {r.state.label}, not attached/waiting")

@@ -187,11 +187,13 @@ class RoomTable(Generic[R]):
             self._tomb.popitem(last=False)
 
     # --- events ----------------------------------------------------------------------------
-    def for_event(self, room: int) -> R | None:
-        """The live room an event names; None, counted as a dropped event, when there is none."""
+    def for_event(self, room: int, *, open_only: bool = False) -> R | None:
+        """The live room an event names; None, counted as a dropped event, when there is none
+        (`open_only`: or when the room is already terminal, so the event comes late)."""
         r = self._live.get(room)
-        if r is None:
+        if r is None or (open_only and r.state.terminal):
             self.dropped_events += 1
+            return None
         return r
 
     def advance(self, room: int, new: RoomState) -> bool:

@@ -23,18 +23,14 @@ from services.common.wire import parse_request
 from services.transfer.state import DuplicateRoom
 
 
-async def refuse_if_draining(context) -> None:
-    """A stopping worker refuses new rooms: the router fails the call over at once."""
-    if refusing():
-        await refuse(context, grpc.StatusCode.UNAVAILABLE, Refusal.DRAINING, refusing())
-
-
 class WorkerServicer(LaneServicerMixin):
     """Base of both workers' servicers; `worker` is a PrefillWorker or a DecodeWorker, `log` the
     role's logger."""
 
-    worker: Any
     log: Any
+
+    def __init__(self, worker: Any):
+        self.worker = worker
 
     def load_fields(self) -> dict[str, Any]:
         """What this role adds to its LoadReply (its transfer side's epoch, at least)."""
@@ -46,6 +42,8 @@ class WorkerServicer(LaneServicerMixin):
         makes before it takes one; otherwise the call ends refused. `pages_for`: the tokens the
         room's KV pages must hold from the start; `check`: the role's own checks of the request
         (ValueError: invalid)."""
+        if refusing():  # stopping: the router fails this over at once
+            await refuse(context, grpc.StatusCode.UNAVAILABLE, Refusal.DRAINING, refusing())
         engine = self.worker.engine
         too_long = length_refusal(len(ids), request.params.max_tokens, engine.config.max_model_len)
         if too_long:  # this worker's --max-model-len; another worker's may be longer: the router tries it

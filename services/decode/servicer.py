@@ -21,7 +21,7 @@ from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.logging_setup import bound_room, get_logger
 from services.common.prompt_logprobs import to_pb
 from services.common.wire import top_logprobs_pb
-from services.common.worker_servicer import WorkerServicer, refuse_if_draining
+from services.common.worker_servicer import WorkerServicer
 from services.decode.jobs import coalesce
 from services.decode.worker import DecodeFailed, DecodeWorker
 
@@ -36,12 +36,13 @@ def _check_prefill_addr(request) -> None:
 class DecodeServicer(WorkerServicer, wpb_grpc.DecodeServicer):
     log = get_logger("decode.rpc")
 
+    worker: DecodeWorker
+
     def __init__(self, worker: DecodeWorker, keepalive_interval: float = 1.0):
-        self.worker = worker
+        super().__init__(worker)
         self.keepalive_interval = keepalive_interval
 
     async def Decode(self, request, context):
-        await refuse_if_draining(context)
         room = request.room
         with bound_room(room):
             ids = list(request.token_ids)

@@ -11,18 +11,16 @@ from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.logging_setup import bound_room, get_logger
 from services.common.prompt_logprobs import to_pb
 from services.common.wire import top_logprobs_pb
-from services.common.worker_servicer import WorkerServicer, refuse_if_draining
+from services.common.worker_servicer import WorkerServicer
 from services.prefill.worker import PrefillWorker, RoomFailed
 
 
 class PrefillServicer(WorkerServicer, wpb_grpc.PrefillServicer):
     log = get_logger("prefill.rpc")
 
-    def __init__(self, worker: PrefillWorker):
-        self.worker = worker
+    worker: PrefillWorker
 
     async def Prefill(self, request, context):
-        await refuse_if_draining(context)
         room = request.room
         with bound_room(room):
             ids = list(request.token_ids)

@@ -83,6 +83,8 @@ async def start_status(role: str, args: PrefillSettings | DecodeSettings, worker
 
 
 class WorkerStart(NamedTuple):
+    role: str
+    args: PrefillSettings | DecodeSettings  # frozen, typed, from the flag table
     worker_id: str
     faults: Faults
     status: EarlyStatus
@@ -99,14 +101,12 @@ async def start_worker(role: str, args: PrefillSettings | DecodeSettings) -> Wor
     refuse_insecure_bind(role, args.host, has_token, args.allow_insecure_bind)
     transport = configure_transport(args.advertise_host, args.host, args.transfer_tls,
                                     args.transfer_net_devices, args.transfer_tcp_user_timeout)
-    return WorkerStart(worker_id, faults, status, transport)
+    return WorkerStart(role, args, worker_id, faults, status, transport)
 
 
 @dataclass
 class WorkerParts:
-    role: str
-    args: PrefillSettings | DecodeSettings  # frozen, typed, from the flag table
-    start: WorkerStart  # identity, faults (crash_task applies here), the HTTP side already serving
+    start: WorkerStart  # role, settings, identity, faults (crash_task applies here), the HTTP side already serving
     engine: Any  # services.engine.worker_engine.WorkerEngine
     agent: Any  # services.transfer.nixl_agent.NixlAgent
     poller: Any  # services.transfer.poller.ProgressPoller
@@ -120,6 +120,14 @@ class WorkerParts:
     # the timeout). Runs on the loop while the forward is still stuck on the engine thread.
     on_stuck_forward: Callable[[str], None] = lambda reason: None
     rooms: Callable[[], int] = lambda: 0  # rooms this worker holds: a stop waits for 0 (or --drain-timeout)
+
+    @property
+    def role(self) -> str:
+        return self.start.role
+
+    @property
+    def args(self) -> PrefillSettings | DecodeSettings:
+        return self.start.args
 
 
 async def run_worker(w: WorkerParts) -> None:

@@ -44,8 +44,6 @@ async def serve(argv=None) -> None:
 
     await run_worker(
         WorkerParts(
-            role="decode",
-            args=args,
             start=start,
             engine=engine,
             agent=agent,
@@ -59,9 +57,7 @@ async def serve(argv=None) -> None:
                 "kv-heartbeat": heartbeats,
             },
             sweep=lambda: watchdog.sweep(worker, args.prealloc_timeout, args.transfer_timeout),
-            health_extra=lambda: {
-                "kv_pages_quarantined": worker.admission.pages_quarantined,
-            },
+            health_extra=lambda: {"kv_pages_quarantined": worker.admission.pages_quarantined},
             on_stop=[worker.admission.close, coordinator.close],
             on_stuck_forward=worker.fail_stuck_forward,
         )

@@ -47,8 +47,6 @@ async def serve(argv=None) -> None:
 
     await run_worker(
         WorkerParts(
-            role="prefill",
-            args=args,
             start=start,
             engine=engine,
             agent=agent,

@@ -137,10 +137,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         m = Launcher(log_dir=pathlib.Path(tmp))
         try:
-            p = m.start_prefill(wait=False)
-            d = m.start_decode(wait=False)
-            m.wait_healthy(p)
-            m.wait_healthy(d)
+            (p,), (d,) = m.start_workers(1, 1)
             r = m.start_router([p], [d], *extra)
             stream = json.dumps({"model": MODEL, "prompt": "tell me a long story", "max_tokens": 4000,
                                  "ignore_eos": True, "logprobs": 20, "stream": True}).encode()

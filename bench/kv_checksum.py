@@ -56,10 +56,7 @@ def hashing() -> dict:
 def mesh_run(tmp: pathlib.Path, checksum: str, tokens: int, requests: int, salt: int) -> float:
     m = Launcher(log_dir=tmp)
     try:
-        p, d = m.start_prefill("--kv-checksum", checksum, wait=False), m.start_decode("--kv-checksum", checksum,
-                                                                                       wait=False)
-        m.wait_healthy(p)
-        m.wait_healthy(d)
+        (p,), (d,) = m.start_workers(1, 1, ("--kv-checksum", checksum), ("--kv-checksum", checksum))
         r = m.start_router([p], [d])
         lat = []
         for i in range(requests + 1):

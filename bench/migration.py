@@ -95,10 +95,7 @@ def main(argv=None) -> None:
     m = Launcher(log_dir=pathlib.Path(tempfile.mkdtemp(prefix="bench-migration-")))
     results = []
     try:
-        p = m.start_prefill(wait=False)
-        ds = [m.start_decode(wait=False) for _ in range(2)]
-        for w in (p, *ds):
-            m.wait_healthy(w)
+        (p,), ds = m.start_workers(1, 2)
         r = m.start_router([p], ds, *ROUTER_FLAGS)
         for at in args.at:
             max_tokens = at + args.tail

@@ -69,10 +69,7 @@ def main() -> None:
         mesh = Launcher(log_dir=pathlib.Path(tmp))
         try:
             model = ("--model", MODEL)
-            p = mesh.start_prefill(*model, wait=False)
-            d = mesh.start_decode(*model, wait=False)
-            mesh.wait_healthy(p)
-            mesh.wait_healthy(d)
+            (p,), (d,) = mesh.start_workers(1, 1, model, model)
             r = mesh.start_router([p], [d], *model, "--request-timeout", "600")
             asyncio.run(fanout_run(r.http_url, "warm up", 1))
             for _ in range(args.runs):

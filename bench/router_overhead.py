@@ -140,10 +140,7 @@ async def throughput(fn, ids: list[int], max_tokens: int, concurrency: int, seco
 
 
 async def run(args, mesh: Launcher, tmp: pathlib.Path) -> dict:
-    p = mesh.start_prefill(wait=False)
-    d = mesh.start_decode(wait=False)
-    mesh.wait_healthy(p)
-    mesh.wait_healthy(d)
+    (p,), (d,) = mesh.start_workers(1, 1)
     r = mesh.start_router([p], [d], "--log-level", "warning", "--local-prefill-max-tokens", "0")  # its repeated prompt: always PD
     ids = [1] + [(7 * i) % 256 for i in range(args.prompt_tokens - 1)]
     router, direct = ViaRouter(r.http_url, args.concurrency), Direct(p.grpc_addr, d.grpc_addr)

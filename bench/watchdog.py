@@ -63,13 +63,9 @@ async def fire(p, d, n: int, prompt_len: int) -> None:
 
 
 def measure_evictions(mesh: Launcher, n: int, loaded: bool) -> dict:
-    p = mesh.start_prefill(
-        "--faults", "stall_transfer", "--inflight-timeout", str(INFLIGHT_TIMEOUT),
-        "--watchdog-interval", str(WATCHDOG_INTERVAL), "--chunked-prefill-size", "4096", wait=False,
-    )
-    d = mesh.start_decode(wait=False)
-    mesh.wait_healthy(p)
-    mesh.wait_healthy(d)
+    prefill_flags = ("--faults", "stall_transfer", "--inflight-timeout", str(INFLIGHT_TIMEOUT),
+                     "--watchdog-interval", str(WATCHDOG_INTERVAL), "--chunked-prefill-size", "4096")
+    (p,), (d,) = mesh.start_workers(1, 1, prefill_flags)
     if loaded:
         # long prompts keep the engine thread busy (~0.3-1 s forwards) while rooms age in inflight
         asyncio.run(fire(p, d, n, prompt_len=3000))
@@ -98,10 +94,7 @@ def measure_evictions(mesh: Launcher, n: int, loaded: bool) -> dict:
 
 
 def measure_idle_cpu(mesh: Launcher, seconds: float) -> dict:
-    p = mesh.start_prefill(wait=False)
-    d = mesh.start_decode(wait=False)
-    mesh.wait_healthy(p)
-    mesh.wait_healthy(d)
+    (p,), (d,) = mesh.start_workers(1, 1)
     asyncio.run(fire(p, d, 1, 32))  # connect the pair once, as in service
     before = {w.role: cpu_seconds(w.popen.pid) for w in (p, d)}
     time.sleep(seconds)  # measuring idleness: nothing to wait on
@@ -126,7 +119,8 @@ def measure_sweep(entries: int) -> dict:
 
     class Counting:  # the sweep's own work, eviction side effects counted only
         def __init__(self):
-            self.sender = type("S", (), {"rooms": table})()
+            # the sender's own sweep (parked attaches, deferred handles) has nothing to do here
+            self.sender = type("S", (), {"rooms": table, "sweep": lambda _self: None})()
             self.evicted = 0
 
         def evict(self, *_a):

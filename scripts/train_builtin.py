@@ -34,24 +34,18 @@ import sysconfig
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# The byte tokenizer's special tokens, in its order; its <|unused0|> only pads that tokenizer's
+# embedding table to an even size.
+from services.common.builtin_tokenizer import SPECIAL_TOKENS as BYTE_TOKENIZER_SPECIALS  # noqa: E402
+from services.common.builtin_tokenizer import chat_template  # noqa: E402
+
+SPECIAL_TOKENS = BYTE_TOKENIZER_SPECIALS[:BYTE_TOKENIZER_SPECIALS.index("<|unused0|>")]
 DEFAULT_OUT = REPO / "models" / "pdmesh-tiny"
-SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3", "turtledemo"}
 HELD_OUT_PER_256 = 12  # ~5 % of files
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('the pdmesh-tiny chat template accepts roles system, user and assistant, not ' + message['role']) }}"
-    "{% endif %}"
-    "{{ '<|' + message['role'] + '|>' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
-    "{% endif %}"
-    "{{ '<|end|>' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
-)
+CHAT_TEMPLATE = chat_template("the pdmesh-tiny")
 
 
 # --- corpus -----------------------------------------------------------------------------------

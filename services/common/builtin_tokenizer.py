@@ -35,22 +35,29 @@ BUILTIN_VOCAB_SIZE = BYTE_TOKENS + len(SPECIAL_TOKENS)  # 264
 # A turn ends with <|end|>; <|eos|> ends a plain completion.
 BUILTIN_EOS_IDS = (BUILTIN_EOS_ID, BUILTIN_END_ID)
 
-# `<|role|>content<|end|>` per message, `<|assistant|>` to prompt a reply. Content may also be a
-# list of OpenAI content parts; their text parts are joined.
-BUILTIN_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('the built-in chat template accepts roles system, user and assistant, not ' + message['role']) }}"
-    "{% endif %}"
-    "{{ '<|' + message['role'] + '|>' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
-    "{% endif %}"
-    "{{ '<|end|>' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
-)
+
+def chat_template(name: str) -> str:
+    """`<|role|>content<|end|>` per message, `<|assistant|>` to prompt a reply. Content may also be
+    a list of OpenAI content parts; their text parts are joined. `name` names the template in the
+    error a message of another role raises. The trained `builtin` model (scripts/train_builtin.py)
+    ships this template too, under its own name."""
+    return (
+        "{{ bos_token }}"
+        "{% for message in messages %}"
+        "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+        "{{ raise_exception('" + name + " chat template accepts roles system, user and assistant, not ' + message['role']) }}"
+        "{% endif %}"
+        "{{ '<|' + message['role'] + '|>' }}"
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
+        "{% endif %}"
+        "{{ '<|end|>' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+    )
+
+
+BUILTIN_CHAT_TEMPLATE = chat_template("the built-in")
 
 # Longest first so no special token can shadow another that starts the same way.
 _SPECIAL_TOKEN_PATTERN = re.compile(

@@ -43,6 +43,14 @@ class Flag:
         return self.name.replace("-", "_")
 
 
+# --- knobs of every service ------------------------------------------------------------------
+LOG_FLAGS = [
+    Flag("log-level", str, "info", "debug, info, warning or error"),
+    Flag("log-format", str, "auto",
+         "auto (human-readable lines when stderr is a terminal, JSON lines otherwise), console or json",
+         choices=("auto", "console", "json")),
+]
+
 # --- knobs shared by both workers ------------------------------------------------------------
 WORKER_FLAGS = [
     Flag("model", str, "builtin", "Hugging Face model folder, or 'builtin' for the built-in tiny model"),
@@ -87,10 +95,7 @@ WORKER_FLAGS = [
          "seconds of CPU one request's grammar may take to compute one token's mask (decode and colocated "
          "prompts); past it that request alone fails (INVALID_ARGUMENT) and the batch goes on; 0: no budget"),
     Flag("faults", str, "", "fault injection spec, e.g. 'delay_forward=5,stall_transfer' (off by default)"),
-    Flag("log-level", str, "info", "debug, info, warning or error"),
-    Flag("log-format", str, "auto",
-         "auto (human-readable lines when stderr is a terminal, JSON lines otherwise), console or json",
-         choices=("auto", "console", "json")),
+    *LOG_FLAGS,
     # --- across hosts (docs/transfer.md "Across hosts") ---
     Flag("advertise-host", str, "",
          "address peers use to reach this worker (default: --host, or this host name's address when "
@@ -267,10 +272,7 @@ ROUTER_FLAGS = [
     Flag("process-start-timeout", float, 60.0,
          "with --processes > 1: seconds a router process may take from its start to its first heartbeat "
          "before the supervisor kills and replaces it (one frozen or stuck while starting)"),
-    Flag("log-level", str, "info", "debug, info, warning or error"),
-    Flag("log-format", str, "auto",
-         "auto (human-readable lines when stderr is a terminal, JSON lines otherwise), console or json",
-         choices=("auto", "console", "json")),
+    *LOG_FLAGS,
 ]
 
 

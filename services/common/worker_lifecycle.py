@@ -3,7 +3,7 @@ HTTP and the timers, supervision of every long-lived task, the stuck-forward wat
 graceful stop. The role-specific parts come in as arguments, so this module imports neither
 torch nor nixl.
 
-The HTTP side (/metrics, /health) starts first, before the model loads (`start_status`):
+The HTTP side (/metrics, /health) starts first, before the model loads (`start_worker`):
 /health answers "loading" (503) and /metrics answers with `pdmesh:up` 0, so a rollout's long
 load looks like a worker loading, not like a worker down. A stop (SIGTERM) drains: the worker
 reports NOT_SERVING and refuses new calls, waits up to --drain-timeout for its rooms to finish
@@ -21,14 +21,15 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 
+from services.common.bind_guard import refuse_insecure_bind
 from services.common.config import DecodeSettings, PrefillSettings, ignored_env_twins
 from services.common.faults import Faults
 from services.common.forward_watch import watch_forwards
-from services.common.grpc_server import bind, new_server
+from services.common.grpc_server import bind, configure_internal_token, new_server
 from services.common.lane_server import refuse_new_calls
 from services.common.logging_setup import configure_logging, get_logger
 from services.common.metrics import Metrics
@@ -38,6 +39,7 @@ from services.common.process import default_worker_id, install_stop_signals
 from services.common.status_server import StatusServer
 from services.common.supervision import ServingState, Supervisor
 from services.common.worker_http import probe_loop_lag, serve_worker_http
+from services.transfer.network import Transport, configure_transport
 
 DRAIN_POLL = 0.05  # seconds between looks at the rooms a stopping worker still holds
 
@@ -80,15 +82,33 @@ async def start_status(role: str, args: PrefillSettings | DecodeSettings, worker
     return status
 
 
-@dataclass
-class WorkerParts:
+class WorkerStart(NamedTuple):
     role: str
     args: PrefillSettings | DecodeSettings  # frozen, typed, from the flag table
     worker_id: str
+    faults: Faults
+    status: EarlyStatus
+    transport: Transport
+
+
+async def start_worker(role: str, args: PrefillSettings | DecodeSettings) -> WorkerStart:
+    """What a worker does before it loads its model: identity, logging and faults, /metrics and
+    /health (answering "loading"), the internal token and the bind guard (a worker that must not
+    start exits here), and the KV transfer's network settings (before any NIXL agent exists)."""
+    worker_id, faults = start_worker_process(role, args)
+    status = await start_status(role, args, worker_id)
+    has_token = configure_internal_token(args.internal_token_file, args.internal_token)
+    refuse_insecure_bind(role, args.host, has_token, args.allow_insecure_bind)
+    transport = configure_transport(args.advertise_host, args.host, args.transfer_tls,
+                                    args.transfer_net_devices, args.transfer_tcp_user_timeout)
+    return WorkerStart(role, args, worker_id, faults, status, transport)
+
+
+@dataclass
+class WorkerParts:
+    start: WorkerStart  # role, settings, identity, faults (crash_task applies here), the HTTP side already serving
     engine: Any  # services.engine.worker_engine.WorkerEngine
     agent: Any  # services.transfer.nixl_agent.NixlAgent
-    metrics: Metrics
-    status: EarlyStatus  # the HTTP side, already serving (start_status)
     poller: Any  # services.transfer.poller.ProgressPoller
     add_servicers: Callable[[grpc.aio.Server], None]
     grpc_services: tuple[str, ...]  # names reported by grpc.health.v1
@@ -100,14 +120,21 @@ class WorkerParts:
     # the timeout). Runs on the loop while the forward is still stuck on the engine thread.
     on_stuck_forward: Callable[[str], None] = lambda reason: None
     rooms: Callable[[], int] = lambda: 0  # rooms this worker holds: a stop waits for 0 (or --drain-timeout)
-    faults: Faults = field(default_factory=Faults)  # crash_task applies here
+
+    @property
+    def role(self) -> str:
+        return self.start.role
+
+    @property
+    def args(self) -> PrefillSettings | DecodeSettings:
+        return self.start.args
 
 
 async def run_worker(w: WorkerParts) -> None:
     log = get_logger(w.role)
     server, health = new_server()
     state = ServingState(health, w.grpc_services)
-    sup = Supervisor(w.role, state, crash_task=w.faults.crash_task)
+    sup = Supervisor(w.role, state, crash_task=w.start.faults.crash_task)
     w.add_servicers(server)
     bind(server, w.args.host, w.args.grpc_port)
     await server.start()
@@ -117,28 +144,30 @@ async def run_worker(w: WorkerParts) -> None:
             "status": "ok" if state.serving else "not_serving",
             "problems": dict(state.problems),
             "role": w.role,
-            "worker": w.worker_id,
+            "worker": w.start.worker_id,
             "model": w.engine.model_name,
             "agent": w.agent.name,
             "epoch": w.agent.epoch,
             "nixl_live_handles": w.agent.num_live_handles,
             "forward_age_seconds": round(w.engine.forward_age(), 3),
+            "transport": w.start.transport.as_dict(),
+            "rooms": w.rooms(),
             **w.health_extra(),
             **w.engine.pool_health(),
         }
 
     interval = w.args.watchdog_interval
     forward_timeout = w.args.forward_timeout
-    w.status.body = health_body
-    sup.watch(w.status.http.task, "http")
+    w.start.status.body = health_body
+    sup.watch(w.start.status.http.task, "http")
     w.poller.start(sup.spawn)
     for name, loop in w.loops.items():
         sup.start(name, loop)
     sup.spawn(run_every(interval, w.sweep, f"{w.role}-watchdog"), "watchdog")
     sup.spawn(watch_forwards(w.engine, forward_timeout, interval, state, w.on_stuck_forward, w.role), "forward-watch")
-    sup.spawn(probe_loop_lag(w.metrics), "loop-lag")
+    sup.spawn(probe_loop_lag(w.start.status.metrics), "loop-lag")
     await state.start()
-    w.metrics.set_serving(True)
+    w.start.status.metrics.set_serving(True)
     log.info(
         f"{w.role} worker ready",
         grpc=f"{w.args.host}:{w.args.grpc_port}",
@@ -151,7 +180,7 @@ async def run_worker(w: WorkerParts) -> None:
     await install_stop_signals().wait()
     refuse_new_calls(f"{w.role} worker stopping")  # new calls, on open lanes and as RPCs (the servicers ask)
     await state.problem("stopping", "graceful stop")
-    w.metrics.set_serving(False)
+    w.start.status.metrics.set_serving(False)
     log.info(f"{w.role} worker stopping: draining", rooms=w.rooms(), drain_timeout=w.args.drain_timeout)
     left = await drain(w.rooms, w.args.drain_timeout)
     log.info(f"{w.role} worker drained" if left == 0 else f"{w.role} worker stopping with rooms left", rooms=left)
@@ -163,7 +192,7 @@ async def run_worker(w: WorkerParts) -> None:
     await w.poller.stop()
     w.agent.close()
     w.engine.shutdown()
-    await w.status.http.stop()  # last: scrapes and probes see the drain to its end
+    await w.start.status.http.stop()  # last: scrapes and probes see the drain to its end
 
 
 async def drain(rooms: Callable[[], int], timeout: float) -> int:

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import asyncio
 
-from services.common.bind_guard import refuse_insecure_bind
 from services.common.config import DecodeSettings, service_settings
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
-from services.common.grpc_server import configure_internal_token
-from services.common.worker_lifecycle import WorkerParts, run_worker, start_status, start_worker_process
+from services.common.worker_lifecycle import WorkerParts, run_worker, start_worker
 from services.decode import watchdog
 from services.decode.servicer import DecodeServicer
 from services.decode.worker import DecodeWorker
 from services.engine.worker_engine import WorkerEngine
 from services.transfer.bootstrap import KVReceiveCoordinator
-from services.transfer.network import configure_transport
 from services.transfer.nixl_agent import NixlAgent
 from services.transfer.poller import ProgressPoller
 from services.transfer.receiver import KVReceiver
@@ -22,20 +19,15 @@ from services.transfer.receiver import KVReceiver
 
 async def serve(argv=None) -> None:
     args = service_settings("decode", DecodeSettings, argv)
-    worker_id, faults = start_worker_process("decode", args)
-    status = await start_status("decode", args, worker_id)  # /metrics and /health while the model loads
-    metrics = status.metrics
-    has_token = configure_internal_token(args.internal_token_file, args.internal_token)
-    refuse_insecure_bind("decode", args.host, has_token, args.allow_insecure_bind)
-    transport = configure_transport(args.advertise_host, args.host, args.transfer_tls,
-                                    args.transfer_net_devices, args.transfer_tcp_user_timeout)
+    start = await start_worker("decode", args)  # /health answers while the model loads
+    faults, metrics = start.faults, start.status.metrics
     engine = await asyncio.to_thread(WorkerEngine.from_settings, args, faults)
     agent = NixlAgent.for_pool("decode", engine.pool)
     receiver = KVReceiver(agent, engine.pool, verify_checksum=args.kv_checksum, corrupt_kv=faults.corrupt_kv,
                           fault_seed=faults.fault_seed, corrupt_kv_read=faults.corrupt_kv_read)
     coordinator = KVReceiveCoordinator(
         receiver,
-        worker_id,
+        start.worker_id,
         heartbeat_interval=args.heartbeat_interval,
         heartbeat_max_failures=args.heartbeat_max_failures,
         forward_timeout=args.forward_timeout,
@@ -52,14 +44,9 @@ async def serve(argv=None) -> None:
 
     await run_worker(
         WorkerParts(
-            role="decode",
-            args=args,
-            worker_id=worker_id,
-            faults=faults,
+            start=start,
             engine=engine,
             agent=agent,
-            metrics=metrics,
-            status=status,
             rooms=lambda: len(worker.jobs),
             poller=ProgressPoller.attach(receiver),
             add_servicers=lambda server: wpb_grpc.add_DecodeServicer_to_server(DecodeServicer(worker, args.keepalive_interval), server),
@@ -70,11 +57,7 @@ async def serve(argv=None) -> None:
                 "kv-heartbeat": heartbeats,
             },
             sweep=lambda: watchdog.sweep(worker, args.prealloc_timeout, args.transfer_timeout),
-            health_extra=lambda: {
-                "transport": transport.as_dict(),
-                "rooms": len(worker.jobs),
-                "kv_pages_quarantined": worker.admission.pages_quarantined,
-            },
+            health_extra=lambda: {"kv_pages_quarantined": worker.admission.pages_quarantined},
             on_stop=[worker.admission.close, coordinator.close],
             on_stuck_forward=worker.fail_stuck_forward,
         )

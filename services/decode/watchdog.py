@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 
+from services.common.watchdog_sweep import evict_expired
 from services.decode.jobs import Phase
 from services.transfer.state import RoomState
 
@@ -20,12 +21,10 @@ QUEUE_OF_STATE = {RoomState.BOOTSTRAPPING: "prealloc", RoomState.TRANSFERRING: "
 
 def sweep(worker, prealloc_timeout: float, transfer_timeout: float) -> int:
     deadlines = {RoomState.BOOTSTRAPPING: prealloc_timeout, RoomState.TRANSFERRING: transfer_timeout}
-    expired = worker.receiver.rooms.expired(deadlines)
-    for e in expired:
-        worker.evict(e.room, QUEUE_OF_STATE[e.state], e.age, deadlines[e.state])
+    evicted = evict_expired(worker, worker.receiver.rooms, QUEUE_OF_STATE, deadlines)
     now = time.monotonic()
     waiting = [j for j in worker.jobs.values()
                if j.colocated and j.phase is Phase.PREALLOC and now - j.created_at > prealloc_timeout]
     for job in waiting:
         worker.evict(job.room, "prealloc", now - job.created_at, prealloc_timeout)
-    return len(expired) + len(waiting)
+    return evicted + len(waiting)

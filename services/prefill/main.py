@@ -5,17 +5,14 @@ from __future__ import annotations
 import asyncio
 import math
 
-from services.common.bind_guard import refuse_insecure_bind
 from services.common.config import PrefillSettings, service_settings
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
-from services.common.grpc_server import configure_internal_token
-from services.common.worker_lifecycle import WorkerParts, run_worker, start_status, start_worker_process
+from services.common.worker_lifecycle import WorkerParts, run_worker, start_worker
 from services.engine.worker_engine import WorkerEngine
 from services.prefill import watchdog
 from services.prefill.servicer import PrefillServicer
 from services.prefill.worker import PrefillWorker
 from services.transfer.bootstrap import add_bootstrap_servicer
-from services.transfer.network import configure_transport
 from services.transfer.nixl_agent import NixlAgent
 from services.transfer.poller import ProgressPoller
 from services.transfer.sender import KVSender
@@ -23,13 +20,8 @@ from services.transfer.sender import KVSender
 
 async def serve(argv=None) -> None:
     args = service_settings("prefill", PrefillSettings, argv)
-    worker_id, faults = start_worker_process("prefill", args)
-    status = await start_status("prefill", args, worker_id)  # /metrics and /health while the model loads
-    metrics = status.metrics
-    has_token = configure_internal_token(args.internal_token_file, args.internal_token)
-    refuse_insecure_bind("prefill", args.host, has_token, args.allow_insecure_bind)
-    transport = configure_transport(args.advertise_host, args.host, args.transfer_tls,
-                                    args.transfer_net_devices, args.transfer_tcp_user_timeout)
+    start = await start_worker("prefill", args)  # /health answers while the model loads
+    faults, metrics = start.faults, start.status.metrics
     engine = await asyncio.to_thread(WorkerEngine.from_settings, args, faults)
     agent = NixlAgent.for_pool("prefill", engine.pool)
     sender = KVSender(
@@ -55,14 +47,9 @@ async def serve(argv=None) -> None:
 
     await run_worker(
         WorkerParts(
-            role="prefill",
-            args=args,
-            worker_id=worker_id,
-            faults=faults,
+            start=start,
             engine=engine,
             agent=agent,
-            metrics=metrics,
-            status=status,
             rooms=lambda: len(worker.jobs),
             poller=ProgressPoller.attach(sender),
             add_servicers=add_servicers,
@@ -70,8 +57,6 @@ async def serve(argv=None) -> None:
             loops={"prefill-scheduler": worker.schedule_loop},
             sweep=lambda: watchdog.sweep(worker, args.bootstrap_timeout, args.inflight_timeout),
             health_extra=lambda: {
-                "transport": transport.as_dict(),
-                "rooms": len(worker.jobs),
                 "pending_attaches": sender.num_pending_attach,
                 "nixl_deferred_handles": sender.num_deferred_handles,
             },

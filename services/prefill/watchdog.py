@@ -9,6 +9,7 @@ sweep (parked attaches, deferred NIXL handles), so an idle worker does that work
 
 from __future__ import annotations
 
+from services.common.watchdog_sweep import evict_expired
 from services.transfer.state import RoomState
 
 QUEUE_OF_STATE = {RoomState.BOOTSTRAPPING: "bootstrap", RoomState.TRANSFERRING: "inflight"}
@@ -16,10 +17,8 @@ QUEUE_OF_STATE = {RoomState.BOOTSTRAPPING: "bootstrap", RoomState.TRANSFERRING: 
 
 def sweep(worker, bootstrap_timeout: float, inflight_timeout: float) -> int:
     deadlines = {RoomState.BOOTSTRAPPING: bootstrap_timeout, RoomState.TRANSFERRING: inflight_timeout}
-    expired = worker.sender.rooms.expired(deadlines)
-    for e in expired:
-        worker.evict(e.room, QUEUE_OF_STATE[e.state], e.age, deadlines[e.state])
+    evicted = evict_expired(worker, worker.sender.rooms, QUEUE_OF_STATE, deadlines)
     # work that would otherwise move only under traffic (the poller sleeps when no transfer is
     # in flight): parked attaches expire, deferred NIXL handle releases are retried and logged
     worker.sender.sweep()
-    return len(expired)
+    return evicted

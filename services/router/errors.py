@@ -6,6 +6,7 @@ Every failure the router reports to a client is an `APIError`; the app turns it 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 # OpenAI's `type` per status; clients (the openai SDK included) key on the status, the type is for humans.
@@ -61,21 +62,34 @@ def invalid_type(param: str, expected: str, value: Any) -> APIError:
     )
 
 
+def each_object(items: list, where: str, expected: str = "an object") -> Iterator[tuple[str, dict[str, Any]]]:
+    """(its path, e.g. `messages[2]`, and the item) for each item of a request's array `where`, in
+    order; an item that is not a JSON object fails the request (invalid_type) when the walk
+    reaches it."""
+    for i, item in enumerate(items):
+        at = f"{where}[{i}]"
+        if not isinstance(item, dict):
+            raise invalid_type(at, expected, item)
+        yield at, item
+
+
+# the JSON type names of OpenAI's invalid_type message; bool before int, of which it is a subclass
+_JSON_TYPE_NAMES = (
+    (bool, "a boolean"),
+    (int, "an integer"),
+    (float, "a decimal"),
+    (str, "a string"),
+    (list, "an array"),
+    (dict, "an object"),
+)
+
+
 def json_type(value: Any) -> str:
     if value is None:
         return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a decimal"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, dict):
-        return "an object"
+    for kind, name in _JSON_TYPE_NAMES:
+        if isinstance(value, kind):
+            return name
     return type(value).__name__
 
 
@@ -110,13 +124,13 @@ def body_too_large(limit: int) -> APIError:
     )
 
 
+def _rate_limited(message: str) -> APIError:
+    """A 429 the client may retry after a second: the router is at one of its limits."""
+    return APIError(429, message, code="rate_limit_exceeded", headers={"Retry-After": "1"})
+
+
 def too_many_requests(limit: int) -> APIError:
-    return APIError(
-        429,
-        f"The router is at its limit of {limit} concurrent choices (n counts each); retry shortly.",
-        code="rate_limit_exceeded",
-        headers={"Retry-After": "1"},
-    )
+    return _rate_limited(f"The router is at its limit of {limit} concurrent choices (n counts each); retry shortly.")
 
 
 def choices_over_budget(n: int, limit: int) -> APIError:
@@ -127,12 +141,7 @@ def choices_over_budget(n: int, limit: int) -> APIError:
 
 
 def too_many_body_reads(limit: int) -> APIError:
-    return APIError(
-        429,
-        f"The router is reading its limit of {limit} request bodies; retry shortly.",
-        code="rate_limit_exceeded",
-        headers={"Retry-After": "1"},
-    )
+    return _rate_limited(f"The router is reading its limit of {limit} request bodies; retry shortly.")
 
 
 def shutting_down() -> APIError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from services.router.errors import bad_request, invalid_type
@@ -16,12 +17,21 @@ def is_number(v: Any) -> bool:
     return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
 
 
-def get_int(body: dict, name: str, default: Any, lo: int | None = None, hi: int | None = None) -> Any:
+def _typed(body: dict, name: str, default: Any, ok: Callable[[Any], bool], expected: str) -> Any:
+    """The field's value, `default` when it is absent or null; one that is not `expected` fails the
+    request."""
     v = body.get(name)
     if v is None:
         return default
-    if not is_int(v):
-        raise invalid_type(name, "an integer", v)
+    if not ok(v):
+        raise invalid_type(name, expected, v)
+    return v
+
+
+def get_int(body: dict, name: str, default: Any, lo: int | None = None, hi: int | None = None) -> Any:
+    v = _typed(body, name, None, is_int, "an integer")
+    if v is None:
+        return default
     if lo is not None and v < lo:
         raise bad_request(f"'{name}' must be at least {lo}, got {v}.", param=name, code="invalid_value")
     if hi is not None and v > hi:
@@ -30,11 +40,9 @@ def get_int(body: dict, name: str, default: Any, lo: int | None = None, hi: int 
 
 
 def get_float(body: dict, name: str, default: Any, lo: float | None = None, hi: float | None = None) -> Any:
-    v = body.get(name)
+    v = _typed(body, name, None, is_number, "a number")
     if v is None:
         return default
-    if not is_number(v):
-        raise invalid_type(name, "a number", v)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         raise bad_request(
             f"'{name}' must be between {lo:g} and {hi:g}, got {v}.", param=name, code="invalid_value"
@@ -43,18 +51,8 @@ def get_float(body: dict, name: str, default: Any, lo: float | None = None, hi: 
 
 
 def get_bool(body: dict, name: str, default: bool) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise invalid_type(name, "a boolean", v)
-    return v
+    return _typed(body, name, default, lambda v: isinstance(v, bool), "a boolean")
 
 
 def get_str(body: dict, name: str, default: Any) -> Any:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, str):
-        raise invalid_type(name, "a string", v)
-    return v
+    return _typed(body, name, default, lambda v: isinstance(v, str), "a string")

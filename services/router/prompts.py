@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.tokenizer import ChatTemplateError, Tokenizer
-from services.router.errors import bad_request, invalid_type
+from services.router.errors import bad_request, each_object, invalid_type
 from services.router.getters import get_bool, get_int, get_str, is_int
 from services.router.tools import ToolRequest, check_tool_fields
 
@@ -95,10 +95,7 @@ def normalize_chat_messages(messages: Any) -> list[dict[str, Any]]:
     if not messages:
         raise bad_request("'messages' must contain at least one message.", param="messages", code="empty_array")
     out = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise invalid_type(where, "an object", message)
+    for where, message in each_object(messages, "messages"):
         role = message.get("role")
         if not isinstance(role, str):
             raise invalid_type(f"{where}.role", "a string", role)

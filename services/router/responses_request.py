@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from services.router.errors import bad_request, invalid_type
+from services.router.errors import bad_request, each_object, invalid_type
 from services.router.getters import get_bool, get_int, get_str
 
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
@@ -140,10 +140,7 @@ def _messages(body: dict) -> list[dict[str, Any]]:
         raise invalid_type("input", "a string or an array of input items", items)
     if not items:
         raise bad_request("'input' must contain at least one item.", param="input", code="empty_array")
-    for i, item in enumerate(items):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise invalid_type(where, "an input item object", item)
+    for where, item in each_object(items, "input", "an input item object"):
         kind = item.get("type", "message")
         if kind == "message":
             out.append(_message(item, where))
@@ -181,10 +178,7 @@ def _message(item: dict, where: str) -> dict[str, Any]:
     if not isinstance(content, list):
         raise invalid_type(f"{where}.content", "a string or an array of content parts", content)
     texts = []
-    for j, part in enumerate(content):
-        at = f"{where}.content[{j}]"
-        if not isinstance(part, dict):
-            raise invalid_type(at, "a content part object", part)
+    for at, part in each_object(content, f"{where}.content", "a content part object"):
         kind = part.get("type")
         if kind == "refusal" and role == "assistant":
             texts.append(_string(part, "refusal", at))
@@ -231,10 +225,7 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
     if not isinstance(tools, list):
         raise invalid_type("tools", "an array", tools)
     out = []
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict):
-            raise invalid_type(where, "a tool object", tool)
+    for where, tool in each_object(tools, "tools", "a tool object"):
         if tool.get("type") != "function":
             raise bad_request(f"Tools of type {tool.get('type')!r} are not supported; only 'function' tools are.",
                               param=f"{where}.type", code="unsupported_value")

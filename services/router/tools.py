@@ -16,7 +16,7 @@ from typing import Any
 
 from services.common.grammar_spec import validate
 from services.common.tokenizer import Tokenizer
-from services.router.errors import bad_request, invalid_type
+from services.router.errors import bad_request, each_object, invalid_type
 from services.router.limits import DEFAULT_LIMITS, RequestLimits, check_grammar_size
 from services.router.tool_parsers import get_format
 
@@ -250,10 +250,7 @@ def check_tool_fields(message: dict[str, Any], where: str) -> dict[str, Any]:
     if not isinstance(calls, list):
         raise invalid_type(f"{where}.tool_calls", "an array", calls)
     out = []
-    for j, call in enumerate(calls):
-        at = f"{where}.tool_calls[{j}]"
-        if not isinstance(call, dict):
-            raise invalid_type(at, "an object", call)
+    for at, call in each_object(calls, f"{where}.tool_calls"):
         _field(call, "id", at, str, "a string")
         _function_type(call, at)
         fn = _field(call, "function", at, dict, "an object")

@@ -14,6 +14,7 @@ A protocol version mismatch is FAILED_PRECONDITION naming both versions, on both
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,32 +43,20 @@ _KIND_TO_PB = {MemoryKind.DRAM: pb.MEMORY_KIND_DRAM, MemoryKind.VRAM: pb.MEMORY_
 _PB_TO_KIND = {v: k for k, v in _KIND_TO_PB.items()}
 
 
+# The proto's MemoryLayout has the dataclass's fields, by name; only the memory kind is an enum.
+_LAYOUT_NUMBERS = tuple(f.name for f in dataclasses.fields(MemoryLayout) if f.name != "kv_memory_kind")
+
+
 def layout_to_pb(lay: MemoryLayout) -> pb.MemoryLayout:
-    return pb.MemoryLayout(
-        kv_base_addr=lay.kv_base_addr,
-        page_nbytes=lay.page_nbytes,
-        num_pages=lay.num_pages,
-        kv_memory_kind=_KIND_TO_PB[lay.kv_memory_kind],
-        kv_device_id=lay.kv_device_id,
-        aux_base_addr=lay.aux_base_addr,
-        aux_row_nbytes=lay.aux_row_nbytes,
-        num_aux_slots=lay.num_aux_slots,
-    )
+    return pb.MemoryLayout(kv_memory_kind=_KIND_TO_PB[lay.kv_memory_kind],
+                           **{name: getattr(lay, name) for name in _LAYOUT_NUMBERS})
 
 
 def layout_from_pb(m: pb.MemoryLayout) -> MemoryLayout:
     if m.kv_memory_kind not in _PB_TO_KIND:
         raise ValueError(f"unknown memory kind {m.kv_memory_kind}")
-    return MemoryLayout(
-        kv_base_addr=m.kv_base_addr,
-        page_nbytes=m.page_nbytes,
-        num_pages=m.num_pages,
-        kv_memory_kind=_PB_TO_KIND[m.kv_memory_kind],
-        kv_device_id=m.kv_device_id,
-        aux_base_addr=m.aux_base_addr,
-        aux_row_nbytes=m.aux_row_nbytes,
-        num_aux_slots=m.num_aux_slots,
-    )
+    return MemoryLayout(kv_memory_kind=_PB_TO_KIND[m.kv_memory_kind],
+                        **{name: getattr(m, name) for name in _LAYOUT_NUMBERS})
 
 
 # --- server (prefill) ------------------------------------------------------------------------

@@ -29,7 +29,8 @@ from services.common.logging_setup import get_logger
 from services.transfer.kv_checksum import NONE as NO_CHECKSUM
 from services.transfer.kv_checksum import kv_checksum
 from services.transfer.reader import page_checksum
-from services.transfer.state import Clock, Room, RoomState, RoomTable
+from services.transfer.side import TransferSide
+from services.transfer.state import Clock, Room, RoomState
 from services.transfer.wire_format import (
     AUX_CHECKSUM,
     AUX_WORDS,
@@ -72,7 +73,9 @@ class ReceiverRoom(Room):
 _WAITING = (RoomState.WAITING_FOR_INPUT, RoomState.TRANSFERRING)
 
 
-class KVReceiver:
+class KVReceiver(TransferSide[ReceiverRoom]):
+    logger = log
+
     def __init__(
         self,
         agent,
@@ -88,6 +91,7 @@ class KVReceiver:
     ):
         """agent: NixlAgent of this process; pool: KVPool (uses .aux and .aux_allocator, and
         .page_run_bytes to verify the KV checksum)."""
+        super().__init__(agent, pool, clock, on_terminal, tombstones)
         # check every room's KV against the sender's checksum before it is used
         # (services/transfer/kv_checksum.py); rows that carry none (sender's check off) pass
         self.verify_checksum = verify_checksum
@@ -106,21 +110,7 @@ class KVReceiver:
         # remembers a cached page's checksum while it stays cached (the decode worker sets its
         # PrefixCache here): an offered page is hashed once, not once per round
         self.checksum_memo = None
-        self.agent = agent
-        self.pool = pool
-        self.clock = clock
-        self.on_terminal = on_terminal
-        self.rooms: RoomTable[ReceiverRoom] = RoomTable(clock, tombstones)
-        self.wakeup: Callable[[], None] = lambda: None  # set by the poller
         self.stats = {"success": 0, "failed": 0, "dropped_notifs": 0, "foreign_notifs": 0}
-
-    @property
-    def agent_name(self) -> str:
-        return self.agent.name
-
-    @property
-    def epoch(self) -> int:
-        return self.agent.epoch
 
     # --- rooms --------------------------------------------------------------------------
     def create_room(self, room: int, peer: str) -> ReceiverRoom:
@@ -158,9 +148,8 @@ class KVReceiver:
 
     def mark_attached(self, room: int, sender_agent: str, sender_epoch: int) -> bool:
         """The Attach RPC succeeded -> WaitingForInput. False if the room is gone or terminal."""
-        r = self.rooms.get(room)
-        if r is None or r.state.terminal:
-            self.rooms.dropped_events += 1
+        r = self.rooms.for_event(room, open_only=True)
+        if r is None:
             return False
         r.sender_agent, r.sender_epoch = sender_agent, sender_epoch
         r.attached_at = self.clock()
@@ -192,10 +181,9 @@ class KVReceiver:
                 if n is None:
                     self.stats["foreign_notifs"] += 1
                     continue
-                r = self.rooms.get(n.room)
-                if r is None or r.state.terminal:
+                r = self.rooms.for_event(n.room, open_only=True)
+                if r is None:
                     self.stats["dropped_notifs"] += 1  # late: the room is gone
-                    self.rooms.dropped_events += 1
                     continue
                 if r.state == RoomState.BOOTSTRAPPING:
                     if r.early is None:  # not even attaching: cannot be ours
@@ -251,19 +239,11 @@ class KVReceiver:
         r.result = row
         r.advance(RoomState.SUCCESS, self.clock())
         self.stats["success"] += 1
-        self._notify(r)
+        self._tell_owner(r)
 
     def result(self, room: int) -> AuxRow | None:
         r = self.rooms.get(room)
         return r.result if r is not None else None
-
-    def fail(self, room: int, reason: str) -> bool:
-        """Fail a room (watchdog, heartbeat, abort). False when unknown or terminal."""
-        r = self.rooms.get(room)
-        if r is None:
-            self.rooms.dropped_events += 1
-            return False
-        return self._fail(r, reason)
 
     def _check_kv(self, r: ReceiverRoom, row: AuxRow, words: list[int]) -> str | None:
         """None when the room's KV pages hash to the sender's checksum (or it sent none), else why not."""
@@ -282,15 +262,8 @@ class KVReceiver:
         r.code = code
         self.stats["failed"] += 1
         log.warning("kv receive failed", room=r.room, reason=reason)
-        self._notify(r)
+        self._tell_owner(r)
         return True
-
-    def _notify(self, r: ReceiverRoom) -> None:
-        if self.on_terminal is not None:
-            try:
-                self.on_terminal(r)
-            except Exception:
-                log.exception("on_terminal callback failed", room=r.room)
 
     def release(self, room: int) -> ReceiverRoom | None:
         """Forget a room and free its aux slot (the worker keeps/frees the KV pages).
@@ -352,6 +325,3 @@ class KVReceiver:
             if r.peer == peer and not r.state.terminal and self._fail(r, reason):
                 failed.append(r.room)
         return failed
-
-    def counts(self) -> dict[str, int]:
-        return {s.label: self.rooms.count(s) for s in RoomState}

@@ -35,7 +35,8 @@ from services.common.logging_setup import get_logger
 from services.transfer.descriptors import Desc, page_descs
 from services.transfer.kv_checksum import kv_checksum
 from services.transfer.reader import KVReader, ReadOutcome
-from services.transfer.state import Clock, DuplicateRoom, Room, RoomState, RoomTable
+from services.transfer.side import TransferSide
+from services.transfer.state import Clock, DuplicateRoom, Room, RoomState
 from services.transfer.wire_format import (
     AUX_CHECKSUM,
     AUX_WORDS,
@@ -125,7 +126,9 @@ class SenderRoom(Room):
         return self.attach.agent_name if self.attach else None
 
 
-class KVSender:
+class KVSender(TransferSide[SenderRoom]):
+    logger = log
+
     def __init__(
         self,
         agent,
@@ -151,10 +154,7 @@ class KVSender:
         stall_before_post: TEST-ONLY fault knob (seconds): a room waits this long in
         Transferring before its WRITE is posted. Off (0) by default; logged loudly when on.
         """
-        self.agent = agent
-        self.pool = pool
-        self.clock = clock
-        self.on_terminal = on_terminal
+        super().__init__(agent, pool, clock, on_terminal, tombstones)
         self.on_attached: Callable[[SenderRoom], None] | None = None
         self.max_desc_bytes = max_desc_bytes
         self.pending_attach_ttl = pending_attach_ttl
@@ -181,26 +181,16 @@ class KVSender:
         self._fault_rng = random.Random(fault_seed)
         if misroute_kv:
             log.warning("FAULT INJECTION ON: KV sender misroutes a room's pages", probability=misroute_kv)
-        self.rooms: RoomTable[SenderRoom] = RoomTable(clock, tombstones)
         self._pending: dict[int, AttachInfo] = {}
         self._flush_until = 0.0  # poll() drives UCX progress until then (abort notifications)
         self._peers: dict[str, Peer] = {}  # by agent name
         self._by_worker: dict[str, Peer] = {}
-        self.wakeup: Callable[[], None] = lambda: None  # set by the poller
         self.stats = {"success": 0, "failed": 0, "bytes": 0, "peers_replaced": 0, "peers_dropped": 0}
         self._deferred: dict[int, _Deferred] = {}  # room -> handles NIXL has not released yet
         # READs of decode's held prefix pages (one per room at most), bounded by read_timeout
         self.reader = KVReader(agent, pool, clock=clock, timeout=read_timeout, stall=stall_read)
 
     # --- identity -----------------------------------------------------------------------
-    @property
-    def agent_name(self) -> str:
-        return self.agent.name
-
-    @property
-    def epoch(self) -> int:
-        return self.agent.epoch
-
     @property
     def layout(self) -> MemoryLayout:
         return self.agent.layout
@@ -345,9 +335,8 @@ class KVSender:
 
         False (nothing done) if the room is unknown or already terminal (a late event).
         Raises ValueError if the room is not attached yet (the scheduler must not run it)."""
-        r = self.rooms.get(room)
-        if r is None or r.state.terminal:
-            self.rooms.dropped_events += 1
+        r = self.rooms.for_event(room, open_only=True)
+        if r is None:
             return False
         if r.state != RoomState.WAITING_FOR_INPUT:
             raise ValueError(f"room {room} is {r.state.label}, not attached/waiting")
@@ -572,14 +561,6 @@ class KVSender:
         self._fail(r, reason)
         return True
 
-    def fail(self, room: int, reason: str) -> bool:
-        """Fail a room (watchdog, worker errors). False when unknown or already terminal."""
-        r = self.rooms.get(room)
-        if r is None:
-            self.rooms.dropped_events += 1
-            return False
-        return self._fail(r, reason)
-
     def _fail(self, r: SenderRoom, reason: str, tell_peer: bool = True) -> bool:
         if not r.fail(reason, self.clock()):
             return False
@@ -607,11 +588,7 @@ class KVSender:
         if r.aux_slot is not None:
             self.pool.aux_allocator.free([r.aux_slot], owner=("kv-send", r.room))
             r.aux_slot = None
-        if self.on_terminal is not None:
-            try:
-                self.on_terminal(r)
-            except Exception:
-                log.exception("on_terminal callback failed", room=r.room)
+        self._tell_owner(r)
 
     def release(self, room: int) -> SenderRoom | None:
         """Forget a room (its terminal state is remembered). A non-terminal room fails first."""
@@ -644,9 +621,6 @@ class KVSender:
     @property
     def num_pending_attach(self) -> int:
         return len(self._pending)
-
-    def counts(self) -> dict[str, int]:
-        return {s.label: self.rooms.count(s) for s in RoomState}
 
 
 __all__ = ["KVSender", "SenderRoom", "BootstrapRejected", "Peer", "AttachInfo", "DuplicateRoom"]

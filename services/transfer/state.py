@@ -187,19 +187,22 @@ class RoomTable(Generic[R]):
             self._tomb.popitem(last=False)
 
     # --- events ----------------------------------------------------------------------------
-    def advance(self, room: int, new: RoomState) -> bool:
+    def for_event(self, room: int, *, open_only: bool = False) -> R | None:
+        """The live room an event names; None, counted as a dropped event, when there is none
+        (`open_only`: or when the room is already terminal, so the event comes late)."""
         r = self._live.get(room)
-        if r is None:
+        if r is None or (open_only and r.state.terminal):
             self.dropped_events += 1
-            return False
-        return r.advance(new, self.clock())
+            return None
+        return r
+
+    def advance(self, room: int, new: RoomState) -> bool:
+        r = self.for_event(room)
+        return r is not None and r.advance(new, self.clock())
 
     def fail(self, room: int, reason: str) -> bool:
-        r = self._live.get(room)
-        if r is None:
-            self.dropped_events += 1
-            return False
-        return r.fail(reason, self.clock())
+        r = self.for_event(room)
+        return r is not None and r.fail(reason, self.clock())
 
     # --- queries ---------------------------------------------------------------------------
     def in_state(self, *states: RoomState) -> list[R]:

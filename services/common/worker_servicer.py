@@ -1,0 +1,87 @@
+"""What the prefill and decode servicers answer alike: the checks a room passes before it is
+submitted (draining, --max-model-len, sampling parameters and grammar, KV capacity, a room
+already held), and the Abort, Load and ResetPrefixCache RPCs.
+
+Every refusal carries its code (services/common/refusal.py): the router decides by that code
+whether another worker may take the call, so both roles refuse alike."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
+from services.common.lane_server import LaneServicerMixin, refusing
+from services.common.logging_setup import bound_room
+from services.common.mesh_protocol import MIN_PEER_VERSION, PROTOCOL_VERSION, incompatibility
+from services.common.refusal import Refusal, length_refusal, refuse
+from services.common.sampling_params import SamplingParams
+from services.common.wire import parse_request
+from services.transfer.state import DuplicateRoom
+
+
+class WorkerServicer(LaneServicerMixin):
+    """Base of both workers' servicers; `worker` is a PrefillWorker or a DecodeWorker, `log` the
+    role's logger."""
+
+    log: Any
+
+    def __init__(self, worker: Any):
+        self.worker = worker
+
+    def load_fields(self) -> dict[str, Any]:
+        """What this role adds to its LoadReply (its transfer side's epoch, at least)."""
+        raise NotImplementedError
+
+    async def admit(self, request, context, ids: list[int], pages_for: int, submit: Callable[[SamplingParams], Any],
+                    check: Callable[[], None] = lambda: None) -> Any:
+        """The room's job, submitted (`submit(params)`) once the room passed every check a worker
+        makes before it takes one; otherwise the call ends refused. `pages_for`: the tokens the
+        room's KV pages must hold from the start; `check`: the role's own checks of the request
+        (ValueError: invalid)."""
+        if refusing():  # stopping: the router fails this over at once
+            await refuse(context, grpc.StatusCode.UNAVAILABLE, Refusal.DRAINING, refusing())
+        engine = self.worker.engine
+        too_long = length_refusal(len(ids), request.params.max_tokens, engine.config.max_model_len)
+        if too_long:  # this worker's --max-model-len; another worker's may be longer: the router tries it
+            await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, Refusal.TOO_LONG, too_long)
+        try:
+            params = parse_request(request.params, ids, engine.config)
+            if params.grammar is not None:  # a big grammar compiles for seconds: off the event loop
+                await asyncio.to_thread(engine.check_grammar, params)
+            check()
+        except ValueError as e:
+            await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, Refusal.INVALID, str(e))
+        if not engine.pool.can_ever_hold(pages_for):  # another worker's pool may: the router tries it (by this code)
+            await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, Refusal.KV_CAPACITY,
+                         f"prompt of {len(ids)} tokens needs more KV pages than this worker has")
+        try:
+            return submit(params)
+        except DuplicateRoom as e:
+            await refuse(context, grpc.StatusCode.ALREADY_EXISTS, Refusal.DUPLICATE_ROOM, str(e))
+
+    async def Abort(self, request, context):
+        with bound_room(request.room):
+            found = self.worker.abort(request.room, f"aborted: {request.reason or 'no reason given'}")
+            self.log.info("abort", found=found, reason=request.reason)
+            return wpb.AbortRoomReply(found=found)
+
+    async def Load(self, request, context):
+        problem = incompatibility("the router", request.protocol_version, request.min_protocol_version)
+        if problem:
+            self.log.error("router refused: incompatible protocol version", reason=problem)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+        queued, running = self.worker.load()
+        engine = self.worker.engine
+        return wpb.LoadReply(queued=queued, running=running, token_usage=engine.pool.token_usage,
+                             protocol_version=PROTOCOL_VERSION, min_protocol_version=MIN_PEER_VERSION,
+                             kv_capacity_tokens=engine.capacity_tokens,
+                             prefix_cache_page_size=engine.pool.page_size if engine.prefix_cache else 0,
+                             **self.load_fields())
+
+    async def ResetPrefixCache(self, request, context):
+        dropped = self.worker.reset_prefix_cache()
+        return wpb.ResetPrefixCacheReply(enabled=self.worker.engine.prefix_cache is not None, pages_dropped=dropped)

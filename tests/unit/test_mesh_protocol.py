@@ -94,7 +94,7 @@ def test_worker_refuses_a_router_below_its_minimum():
 
 
 class _RefusingDecode(FakeDecode):
-    async def Load(self, request, context):  # noqa: N802 - as services/decode/servicer.py checks
+    async def Load(self, request, context):  # noqa: N802 - as services/common/worker_servicer.py checks
         problem = incompatibility("the router", request.protocol_version, request.min_protocol_version,
                                   version=PROTOCOL_VERSION + 1, min_version=PROTOCOL_VERSION + 1)
         if problem:

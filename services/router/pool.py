@@ -276,17 +276,28 @@ class WorkerPool:
 
     # --- probing -------------------------------------------------------------------------------
 
-    async def probe_all(self, workers: Iterable[WorkerHandle] | None = None) -> None:
-        await asyncio.gather(*(self.probe(w) for w in (self.workers if workers is None else workers)))
+    async def probe_all(self, workers: Iterable[WorkerHandle] | None = None, fresh: bool = False) -> None:
+        await asyncio.gather(*(self.probe(w, fresh) for w in (self.workers if workers is None else workers)))
 
-    async def probe(self, worker: WorkerHandle) -> bool:
-        """One probe of `worker` (True if it serves); concurrent callers share a probe in flight."""
+    async def probe(self, worker: WorkerHandle, fresh: bool = False) -> bool:
+        """One probe of `worker` (True if it serves); concurrent callers share a probe in flight.
+        `fresh`: the answer must come from a probe begun after this call — one already in flight
+        may have been answered before the worker came back — so a failed shared probe is followed
+        by one more (shared again, so a wave of requests in an outage probes at most twice)."""
         task = self._probing.get(worker)
+        shared = task is not None
         if task is None:
-            task = asyncio.ensure_future(self._probe(worker))
-            self._probing[worker] = task
-            task.add_done_callback(lambda _t, w=worker: self._probing.pop(w, None))
-        return await asyncio.shield(task)
+            task = self._start_probe(worker)
+        ok = await asyncio.shield(task)
+        if ok or not (fresh and shared):
+            return ok
+        return await asyncio.shield(self._probing.get(worker) or self._start_probe(worker))
+
+    def _start_probe(self, worker: WorkerHandle) -> asyncio.Future:
+        task = asyncio.ensure_future(self._probe(worker))
+        self._probing[worker] = task
+        task.add_done_callback(lambda _t, w=worker: self._probing.pop(w, None) if self._probing.get(w) is _t else None)
+        return task
 
     async def _probe(self, w: WorkerHandle) -> bool:
         # this task's context was copied from whichever request asked first; the probe is not its
@@ -457,7 +468,7 @@ class WorkerPool:
         roles = (("decode", self.decodes),) if self.colocated else (("prefill", self.prefills), ("decode", self.decodes))
         for role, group in roles:
             if not any(w.healthy for w in group):
-                await self.probe_all(group)  # bounded by the probe timeout
+                await self.probe_all(group, fresh=True)  # bounded by twice the probe timeout
             if not any(w.healthy for w in group):
                 raise no_healthy_workers(role)
         for role, group in roles:  # a group may have emptied while another was probed (an await above)

@@ -471,7 +471,9 @@ def test_frozen_worker_is_ejected(cluster_factory):
     c.decodes[0].health.frozen = False
 
 
-def test_no_healthy_decode_is_503_and_health_reports_it(cluster):
+def test_no_healthy_decode_is_503_and_health_reports_it(cluster_factory):
+    # probes may take 2 s: the on-the-spot probe below must not time out on a loaded machine
+    cluster = cluster_factory(health_check_timeout=2.0)
     cluster.decodes[0].set_serving(False)
     wait_for(lambda: httpx.get(cluster.url + "/health").status_code == 503, what="/health 503")
     r = post(cluster, "/v1/completions", completion())

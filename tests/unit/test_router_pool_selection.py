@@ -10,10 +10,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from grpc_health.v1 import health_pb2
 
+from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
+from services.common.mesh_protocol import MIN_PEER_VERSION, PROTOCOL_VERSION
 from services.fakes.workers import FakeDecode, FakePrefill
 from services.router.errors import APIError
-from services.router.pool import WorkerPool
+from services.router.pool import WorkerHandle, WorkerPool
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -48,3 +51,40 @@ def test_a_group_that_empties_while_another_is_probed_is_a_503(policy):
             await d.stop()
 
     asyncio.run(scenario())
+
+
+class _ScriptedHealth:
+    """A worker transport whose health answers come from a script, the first held until released."""
+
+    def __init__(self, answers: list[int]):
+        self.answers, self.calls, self.release = list(answers), 0, asyncio.Event()
+
+    async def health(self, timeout: float):
+        self.calls += 1
+        status = self.answers.pop(0)
+        if self.calls == 1:
+            await self.release.wait()  # answered (NOT_SERVING) before the worker came back, delivered late
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def load(self, request, timeout: float):
+        return wpb.LoadReply(protocol_version=PROTOCOL_VERSION, min_protocol_version=MIN_PEER_VERSION)
+
+
+def test_a_fresh_probe_does_not_take_the_answer_of_a_probe_begun_before_it():
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+    async def scenario() -> tuple[bool, bool, int]:
+        pool = WorkerPool([], [], lane=False)
+        w = WorkerHandle("decode", "d:1")
+        w.transport = _ScriptedHealth([not_serving, serving])
+        pool.decodes = [w]
+        periodic = asyncio.ensure_future(pool.probe(w))  # the health loop's probe, in flight
+        await asyncio.sleep(0)
+        shared = asyncio.ensure_future(pool.probe(w))  # joins it, and takes its answer
+        fresh = asyncio.ensure_future(pool.probe(w, fresh=True))  # a request that found no healthy decode
+        await asyncio.sleep(0)
+        w.transport.release.set()
+        return await shared, await fresh, w.transport.calls, await periodic
+
+    shared, fresh, calls, periodic = asyncio.run(scenario())
+    assert (periodic, shared) == (False, False) and fresh and calls == 2

@@ -28,7 +28,7 @@ from services.router.http_errors import CLIENT_CLOSED
 from services.router.orchestrator import new_room
 from services.router.protocol import valid_request_id
 from services.router.request_body import PARSERS, Parser, parse_spec
-from services.router.request_driver import RequestDriver
+from services.router.request_driver import RequestDriver, Reshape
 
 log = get_logger("router")
 
@@ -38,7 +38,8 @@ def client_request_id(request: Request) -> str | None:
     return request.headers.get("x-request-id")
 
 
-async def generate(router, request: Request, kind: str, parse: Parser | None = None) -> Response:
+async def generate(router, request: Request, kind: str, parse: Parser | None = None,
+                   reshape: Reshape | None = None) -> Response:
     """One generation request, from its HTTP request to its response (JSON, or SSE when the
     body asks to stream).
 
@@ -46,7 +47,8 @@ async def generate(router, request: Request, kind: str, parse: Parser | None = N
     names the response's shape (text_completion / chat.completion bodies and chunks). `parse`:
     body (parsed JSON) and ModelInfo -> GenerateSpec, raising APIError for a bad body; default
     protocol.parse_completion or parse_chat by `kind` (another API shape, mapped onto one of
-    those, brings its own)."""
+    those, brings its own). `reshape`: that API's non-streamed body, from the chat/completion
+    body dict (a body whose logprobs the route refuses: it is built in one go)."""
     parse = parse or PARSERS[kind]
     t0 = time.monotonic()
     deadline = asyncio.get_running_loop().time() + router.settings.request_timeout
@@ -79,7 +81,7 @@ async def generate(router, request: Request, kind: str, parse: Parser | None = N
             router.metrics.inc(router.metrics.num_requests)
             router.metrics.inc(router.metrics.prompt_tokens, sum(len(p.prompt_ids) for p in spec.prompts))
             public_id = public_id or spec.request_id or f"{request_id:016x}"
-            driver = RequestDriver(router, spec, request_id, t0, deadline, public_id, slots)
+            driver = RequestDriver(router, spec, request_id, t0, deadline, public_id, slots, reshape)
         except BaseException:
             slots.release()
             raise

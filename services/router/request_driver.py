@@ -9,7 +9,9 @@ releases the request's admission slots once and records the outcome.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -19,12 +21,15 @@ from services.router import errors
 from services.router.errors import APIError
 from services.router.fanout import FanIn, PrefillShare, Single
 from services.router.http_errors import CLIENT_CLOSED, error_json
+from services.router.json_codec import dumps
 from services.router.leases import Lease
 from services.router.orchestrator import new_room
 from services.router.protocol import GenerateSpec
 from services.router.render import ResponseState
 from services.router.sse import ClientDisconnected, run_until_disconnect
 from services.router.stream_response import stream_response
+
+Reshape = Callable[[dict[str, Any]], dict[str, Any]]
 
 log = get_logger("router")
 
@@ -40,8 +45,9 @@ class RequestDriver:
     and metrics."""
 
     def __init__(self, router, spec: GenerateSpec, request_id: int, t0: float, deadline: float,
-                 public_id: str, slots: Lease):
+                 public_id: str, slots: Lease, reshape: Reshape | None = None):
         self.router = router
+        self.reshape = reshape  # another API's body from the chat/completion body dict (responses_route.py)
         self.slots = slots  # its admission slots, released by finish()
         self.spec = spec
         self.request_id = request_id
@@ -189,7 +195,10 @@ class RequestDriver:
         try:
             await run_until_disconnect(self._collect(), request.receive)
             status, error = 200, None
-            body = await self.state.body_json(self.states)
+            if self.reshape is not None:  # built from the dict: no JSON encoded only to be parsed again
+                body = dumps(self.reshape(self.state.body(self.states)))
+            else:
+                body = await self.state.body_json(self.states)
             return Response(body, media_type="application/json", headers={"X-Request-Id": self.public_id})
         except APIError as e:
             status, error = e.status, e.message

@@ -19,7 +19,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from services.router import generation_routes, openapi
-from services.router.json_codec import dumps
 from services.router.protocol import parse_chat
 from services.router.responses_output import from_chat
 from services.router.responses_request import ResponsesRequest, translate
@@ -76,13 +75,11 @@ def register(app: FastAPI, router: Any) -> None:
             seen.append(req)
             return parse_chat(req.chat, info)
 
-        response = await generation_routes.generate(router, request, "chat", parse)
+        response = await generation_routes.generate(router, request, "chat", parse,
+                                                    reshape=lambda chat: from_chat(chat, seen[0].echo))
         if isinstance(response, SSEResponse):
             response.events = translate_sse(response.events, seen[0].echo)
             return response
         if response.status_code >= 400:
             return _error(response) if response.body else response
-        if response.status_code != 200 or not seen:
-            return response
-        body = from_chat(json.loads(response.body), seen[0].echo)
-        return Response(dumps(body), media_type="application/json", headers=_headers(response))
+        return response  # 200: already the Response object (from_chat over the chat body dict)

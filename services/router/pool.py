@@ -296,7 +296,12 @@ class WorkerPool:
     def _start_probe(self, worker: WorkerHandle) -> asyncio.Future:
         task = asyncio.ensure_future(self._probe(worker))
         self._probing[worker] = task
-        task.add_done_callback(lambda _t, w=worker: self._probing.pop(w, None) if self._probing.get(w) is _t else None)
+
+        def forget(done: asyncio.Future) -> None:
+            if self._probing.get(worker) is done:  # not a later probe that took its place
+                del self._probing[worker]
+
+        task.add_done_callback(forget)
         return task
 
     async def _probe(self, w: WorkerHandle) -> bool:

@@ -101,3 +101,4 @@ def test_a_stream_longer_than_the_drain_migrates_off_a_stopping_decode(mesh):
     reference = r.post("/v1/completions", {**body, "stream": False}, timeout=90).json()["choices"][0]["text"]
     assert box["text"] == reference
     mesh.assert_invariants()
+    wait_for(lambda: r.metrics().get("pdmesh:router_num_running_reqs", 1) == 0, 10, "no admission slot held")

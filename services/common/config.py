@@ -261,6 +261,10 @@ ROUTER_FLAGS = [
     Flag("worker-lane", bool, True,
          "send Prefill / Decode calls to each worker over one multiplexed stream (the lane) instead of "
          "one gRPC call each (false: one call each; a worker without the lane gets that anyway)"),
+    Flag("worker-lane-client", str, "h2",
+         "what carries each lane: h2, the router's own HTTP/2 connection in its event loop (a worker "
+         "address that is not host:port uses grpc); grpc, a grpc.aio stream (gRPC C-core's threads)",
+         choices=("h2", "grpc")),
     Flag("processes", int, 1,
          "router processes serving the port together (SO_REUSEPORT), under one supervisor that restarts "
          "any that dies; they share admission (--max-concurrent-requests is for all), each worker's "

@@ -30,14 +30,24 @@ import itertools
 import grpc
 
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
-from services.common.grpc_server import TOKEN_KEY, internal_token
+from services.common.grpc_server import (KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, MAX_MESSAGE_BYTES, TOKEN_KEY,
+                                         internal_token)
 from services.common.lane_batches import LANE_MESSAGE_BYTES, batches, entry_bytes
 from services.common.logging_setup import get_logger
 from services.common.refusal import refusal_metadata
+from services.router.h2_stream import H2Stream, host_port
 
 log = get_logger("router.lane")
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _EMPTY = grpc.aio.Metadata()
+CLIENTS = ("h2", "grpc")  # what carries the lane's stream: the router's own HTTP/2 (h2_stream.py) or grpc.aio
+# a lane that cannot connect within this fails its calls (UNAVAILABLE), as a keep-alive that goes unanswered
+CONNECT_TIMEOUT_S = (KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS) / 1000
+
+
+def lane_path(stub) -> str:
+    """The Lane method's path on the service of a generated stub (PrefillStub → /pdmesh.v1.Prefill/Lane)."""
+    return f"/{wpb.DESCRIPTOR.package}.{type(stub).__name__.removesuffix('Stub')}/Lane"
 
 
 def rpc_error(code: grpc.StatusCode, details: str, refusal: int = 0) -> grpc.aio.AioRpcError:
@@ -229,10 +239,16 @@ class LaneDecodeCall(_Call):
 class Lane:
     """One worker's lane: opened on the first call, re-opened by the first call after it failed."""
 
-    def __init__(self, stub, addr: str, on_failure=None, max_message_bytes: int = LANE_MESSAGE_BYTES) -> None:
+    def __init__(self, stub, addr: str, on_failure=None, max_message_bytes: int = LANE_MESSAGE_BYTES,
+                 client: str = "h2") -> None:
+        if client not in CLIENTS:
+            raise ValueError(f"lane client {client!r}: one of {CLIENTS}")
         self.addr = addr
         self.max_message_bytes = max_message_bytes  # one lane message never exceeds it (lane_batches.py)
         self.fallback = stub  # the worker's own stub: its Lane method opens the stream; one RPC per call without it
+        # the router's own HTTP/2 connection where the address is host:port; else the stub's (gRPC's resolver)
+        self.client = client if host_port(addr) is not None else "grpc"
+        self.path = lane_path(stub)
         # called with the status when the stream fails: the lane is a connection held open to the
         # worker, so a worker that dies is noticed at once (the pool probes it), calls or not
         self._on_failure = on_failure
@@ -273,7 +289,13 @@ class Lane:
 
     def _open(self) -> None:
         md = ((TOKEN_KEY, internal_token()),) if internal_token() else None
-        self._stream = stream = self.fallback.Lane(metadata=md)
+        if self.client == "h2":
+            stream = H2Stream(self.addr, self.path, wpb.LaneUp.SerializeToString, wpb.LaneDown.FromString, md or (),
+                              max_message_bytes=MAX_MESSAGE_BYTES, keepalive_time=KEEPALIVE_TIME_MS / 1000,
+                              keepalive_timeout=KEEPALIVE_TIMEOUT_MS / 1000, connect_timeout=CONNECT_TIMEOUT_S)
+        else:
+            stream = self.fallback.Lane(metadata=md)
+        self._stream = stream
         self._wake = asyncio.Event()
         self.opened += 1
         self._tasks = [asyncio.ensure_future(self._write_loop(stream, self._wake)),
@@ -358,9 +380,10 @@ class LaneStub:
     """The worker's stub with Prefill / Decode on its lane (with --worker-lane false the pool's
     workers use RpcTransport, the bare stub, instead)."""
 
-    def __init__(self, stub, addr: str, on_failure=None, max_message_bytes: int = LANE_MESSAGE_BYTES) -> None:
+    def __init__(self, stub, addr: str, on_failure=None, max_message_bytes: int = LANE_MESSAGE_BYTES,
+                 client: str = "h2") -> None:
         self._stub = stub
-        self.lane = Lane(stub, addr, on_failure, max_message_bytes)
+        self.lane = Lane(stub, addr, on_failure, max_message_bytes, client)
 
     def __getattr__(self, name):  # Load, Abort, and Prefill / Decode of a lane-less worker
         return getattr(self._stub, name)

@@ -150,6 +150,7 @@ class WorkerPool:
         resolver: Resolver = system_resolver,
         colocated: bool = False,
         lane: bool = True,
+        lane_client: str = "h2",
         load: LoadView = LOCAL,
         pair_hold: float = 30.0,
         cache_thresholds: CacheThresholds | None = None,
@@ -159,6 +160,7 @@ class WorkerPool:
         self.pairs = PairHealth(hold=pair_hold)  # (prefill, decode) pairs whose KV path failed
         self.load = load  # the router's other processes' loads and ejections (services/router/load_view.py)
         self.lane = lane  # Prefill / Decode over each worker's lane (services/router/lane.py)
+        self.lane_client = lane_client  # what carries it: h2 (services/router/h2_stream.py) or grpc
         self.colocated = colocated  # decode workers only: choose_pair returns (None, decode)
         self.specs = {"prefill": list(dict.fromkeys(prefill_addrs)), "decode": list(dict.fromkeys(decode_addrs))}
         for spec in (*self.specs["prefill"], *self.specs["decode"]):
@@ -200,7 +202,7 @@ class WorkerPool:
         self._task = asyncio.create_task(self._loop(), name="router-health")
 
     def _connect(self, w: WorkerHandle) -> WorkerHandle:
-        w.transport = connect(w.role, w.addr, self.lane, on_failure=lambda code, w=w: self.report_failure(w, code))
+        w.transport = connect(w.role, w.addr, self.lane, self.lane_client, on_failure=lambda code, w=w: self.report_failure(w, code))
         self._set_gauge(w)
         return w
 

@@ -66,6 +66,7 @@ class Router:
             failure_threshold=settings.health_failure_threshold,
             dns_refresh_interval=settings.dns_refresh_interval,
             lane=settings.worker_lane,
+            lane_client=settings.worker_lane_client,
             load=self.load,
             pair_hold=settings.pair_hold,
             cache_thresholds=CacheThresholds(settings.cache_threshold, settings.balance_abs_threshold,

@@ -103,9 +103,9 @@ class LaneTransport(RpcTransport):
     `on_failure(code)`: the lane's stream failed (the worker may be gone)."""
 
     def __init__(self, role: str, addr: str, channel: grpc.aio.Channel,
-                 on_failure: Callable[[grpc.StatusCode], None] | None = None):
+                 on_failure: Callable[[grpc.StatusCode], None] | None = None, client: str = "h2"):
         super().__init__(role, addr, channel)
-        self._lane_stub = LaneStub(self.stub, addr, on_failure=on_failure)
+        self._lane_stub = LaneStub(self.stub, addr, on_failure=on_failure, client=client)
         self.lane = self._lane_stub.lane
 
     def prefill(self, request: wpb.PrefillRequest, timeout: float | None) -> PrefillCall:
@@ -119,10 +119,11 @@ class LaneTransport(RpcTransport):
         await super().close()
 
 
-def connect(role: str, addr: str, lane: bool,
+def connect(role: str, addr: str, lane: bool, lane_client: str = "h2",
             on_failure: Callable[[grpc.StatusCode], None] | None = None) -> WorkerTransport:
-    """The worker's channel (keep-alive, the internal token) and its transport."""
+    """The worker's channel (keep-alive, the internal token) and its transport; `lane_client`: what
+    carries the lane (h2: the router's own HTTP/2 connection, services/router/h2_stream.py; grpc)."""
     channel = internal_channel(addr, CHANNEL_OPTIONS)
     if lane:
-        return LaneTransport(role, addr, channel, on_failure)
+        return LaneTransport(role, addr, channel, on_failure, lane_client)
     return RpcTransport(role, addr, channel)

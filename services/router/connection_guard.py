@@ -19,6 +19,12 @@ uvicorn's, with three guards:
   longest-idle one (no request in progress: between requests, or still sending headers); when
   none is idle it is refused.
 
+A response whose body is whole before it is sent (every non-streamed answer) goes out in one
+write (`write_whole`), with exactly the bytes uvicorn's two `send`s (start, body) would write in
+two; the protocol's own bookkeeping after it (keep-alive, the next pipelined request) is
+uvicorn's. Where that is not certain (the write buffer is full, a HEAD request, the response
+begun) it declines and the ASGI path sends as usual.
+
 The body of a request is bounded by the application (services/router/request_body.py, `--body-timeout`,
 `--max-body-reads`), which knows when it has read it; a stream's per-client buffer likewise
 (services/router/fanout.py). Both reach the connection through `CONNECTION_EXTENSION` in the
@@ -32,9 +38,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import (HEADER_RE, HEADER_VALUE_RE, STATUS_LINE, HttpToolsProtocol,
+                                                   RequestResponseCycle)
+from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
 CONNECTION_EXTENSION = "pdmesh.connection"  # scope["extensions"][...]: the request's connection
+CYCLE_EXTENSION = "pdmesh.cycle"  # scope["extensions"][...]: uvicorn's request-response cycle of the request
 _TIMEOUT_RESPONSE = (
     b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
     b"content-length: %d\r\n\r\n%s"
@@ -144,7 +153,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._header_timer.cancel()
             self._header_timer = None
         self._idle_since = None
+        scope = self.scope
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is scope:  # not an upgrade: this request's own cycle
+            scope["extensions"][CYCLE_EXTENSION] = cycle
 
     def on_response_complete(self) -> None:
         self._idle_since = time.monotonic()
@@ -166,6 +179,48 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def _reader_stalled(self) -> None:
         self._write_timer = None
         self._cut("write_timeout")
+
+
+def write_whole(cycle: RequestResponseCycle, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
+    """Send a whole response (status, headers with its content-length, body) in one write, as
+    uvicorn's `send` of the start and of the last body would in two; False (nothing written)
+    where this cannot be sure to do the same, and the caller then sends through ASGI."""
+    if (cycle.response_started or cycle.disconnected or cycle.flow.write_paused
+            or cycle.scope["method"] == "HEAD" or status in (204, 304)):
+        return False
+    content = [STATUS_LINE[status]]
+    length = None
+    close = False
+    for name, value in (*cycle.default_headers, *headers):
+        if HEADER_RE.search(name) or HEADER_VALUE_RE.search(value):
+            return False  # ASGI's path raises for it, as it would without this
+        name = name.lower()
+        if name == b"content-length":
+            length = int(value.decode()) if length is None else length
+        elif name == b"transfer-encoding":
+            return False
+        elif name == b"connection" and b"close" in [t.lower().strip() for t in value.split(b",")]:
+            close = True
+        content += (name, b": ", value, b"\r\n")
+    if length != len(body):
+        return False
+    if close:
+        cycle.keep_alive = False
+    elif not cycle.keep_alive:
+        content.append(b"connection: close\r\n")
+    content += (b"\r\n", body)
+    if cycle.access_log:  # uvicorn's access line, as its send of the start writes it
+        scope = cycle.scope
+        cycle.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(scope), scope["method"],
+                                 get_path_with_query_string(scope), scope["http_version"], status)
+    cycle.response_started = cycle.response_complete = True
+    cycle.waiting_for_100_continue = False
+    cycle.transport.write(b"".join(content))
+    cycle.message_event.set()
+    if not cycle.keep_alive:
+        cycle.transport.close()
+    cycle.on_response()
+    return True
 
 
 def guarded_protocol(limits: ConnectionLimits, on_cutoff: Callable[[str], None]) -> type[HttpToolsProtocol]:

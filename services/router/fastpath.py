@@ -20,6 +20,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from services.router.connection_guard import CYCLE_EXTENSION, write_whole
+
 Handler = Callable[[Request], Awaitable[Response]]
 ErrorHandler = Callable[[Request, Exception], Awaitable[Response]]
 
@@ -49,6 +51,11 @@ class RouterApp(FastAPI):
             if self.fast_error is not None:
                 await (await self.fast_error(request, exc))(scope, receive, send)
             raise
+        # a body already whole (not a stream, nothing to run after it): one write on the connection
+        if type(response).__call__ is Response.__call__ and response.background is None:
+            cycle = scope.get("extensions", {}).get(CYCLE_EXTENSION)
+            if cycle is not None and write_whole(cycle, response.status_code, response.raw_headers, response.body):
+                return
         # Not wrapped: the responses build their bodies before sending the start, so a failure in
         # here comes after it (nothing else could be sent), and every send stays one call.
         await response(scope, receive, send)

@@ -319,8 +319,10 @@ class H2Stream(asyncio.Protocol):
                 self._headers_done(sid)
         elif ftype == SETTINGS:
             if not flags & ACK:
-                self._settings(payload)
+                # acked before anything is sent under the new values: gRPC's side counts a larger
+                # window from the ack on, and DATA sent ahead of it resets the stream
                 self._transport.write(frame(SETTINGS, ACK, 0))
+                self._settings(payload)
         elif ftype == PING:
             if flags & ACK:
                 self._schedule_ping()  # answered: the worker is alive; the next one in keepalive_time

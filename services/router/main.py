@@ -84,24 +84,34 @@ def main(argv=None) -> None:
     app = create_app(settings)
     router = app.state.router
     limits = ConnectionLimits(args.header_timeout, args.client_write_timeout, args.max_connections)
-    config = uvicorn.Config(
-        app,
-        http=guarded_protocol(limits, lambda reason: router.metrics.inc(router.metrics.router_client_cutoffs,
-                                                                         reason=reason)),
-        host=args.host,
-        port=args.port,
-        log_config=None,  # keep our JSON logging; uvicorn's own plain-text lines only for problems
-        log_level="debug" if args.log_level == "debug" else "warning",
-        access_log=False,  # one structured line per request comes from the router itself
-        timeout_keep_alive=args.keep_alive_timeout,
-        timeout_graceful_shutdown=args.shutdown_timeout,
-    )
+    config = server_config(app, limits, host=args.host, port=args.port,
+                           log_level="debug" if args.log_level == "debug" else "warning",
+                           keep_alive_timeout=args.keep_alive_timeout, shutdown_timeout=args.shutdown_timeout)
     # What exists by now (modules, the tokenizer, the app) lives as long as the process: frozen, it
     # is out of the cyclic garbage collector's sight, whose collections otherwise walk all of it
     # again and again under load (measured, non-streamed at c=32: their CPU fell from ~8% of the
     # router's to under 1%).
     gc.freeze()
     DrainingServer(config, app.state.router).run(sockets=sockets)
+
+
+def server_config(app, limits: ConnectionLimits, *, host: str, port: int, log_level: str = "warning",
+                  keep_alive_timeout: float = 75.0, shutdown_timeout: float | None = None) -> uvicorn.Config:
+    """uvicorn's configuration for the router's app: its HTTP protocol with the connection guards
+    (services/router/connection_guard.py), the router's own logging. Tests serve the app with it too."""
+    router = app.state.router
+    return uvicorn.Config(
+        app,
+        http=guarded_protocol(limits, lambda reason: router.metrics.inc(router.metrics.router_client_cutoffs,
+                                                                         reason=reason)),
+        host=host,
+        port=port,
+        log_config=None,  # keep our JSON logging; uvicorn's own plain-text lines only for problems
+        log_level=log_level,
+        access_log=False,  # one structured line per request comes from the router itself
+        timeout_keep_alive=keep_alive_timeout,
+        timeout_graceful_shutdown=shutdown_timeout,
+    )
 
 
 class DrainingServer(uvicorn.Server):

@@ -23,6 +23,8 @@ from services.common.config import RouterSettings
 from services.fakes.workers import Behaviour, FakeDecode, FakePrefill
 from services.launch.ports import free_port
 from services.router.app import create_app
+from services.router.connection_guard import ConnectionLimits
+from services.router.main import server_config
 
 MODEL = "pdmesh-tiny"
 
@@ -65,10 +67,9 @@ class Cluster:
         )
         self.app = create_app(settings)
         self.router = self.app.state.router
-        self.server = uvicorn.Server(
-            uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_config=None, access_log=False,
-                           log_level="warning")
-        )
+        # the router process's own server: uvicorn with the guarded protocol and its one-write responses
+        self.server = uvicorn.Server(server_config(self.app, ConnectionLimits(10.0, 30.0, 4096), host="127.0.0.1",
+                                                   port=self.port))
         self.serve_task = asyncio.ensure_future(self.server.serve())
         while not self.server.started:
             if self.serve_task.done():

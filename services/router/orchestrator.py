@@ -153,6 +153,8 @@ class Orchestrator:
 
     def _check_capacity(self, refused: set[WorkerHandle], spec: GenerateSpec, progress: Progress) -> None:
         """400 once every healthy worker of a role has refused the request for capacity."""
+        if not refused:
+            return  # the usual request: no worker refused it
         for role, group in (("prefill", self.pool.prefills), ("decode", self.pool.decodes)):
             healthy = [w for w in group if w.healthy]
             if healthy and all(w in refused for w in healthy):

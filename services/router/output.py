@@ -77,6 +77,13 @@ class OutputText:
         """Feed one generated token; returns the newly released text ("" while held back)."""
         if self.stopped:
             return ""
+        if self._matcher is None:  # nothing to hold back: all of it is released (_release's last line)
+            out = self._pending + self._detok.add(token_id)
+            self._pending = ""
+            if out:
+                self._released.append(out)
+                self.released_chars += len(out)
+            return out
         self._pending += self._detok.add(token_id)
         return self._release(final=False)
 

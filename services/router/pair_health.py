@@ -90,6 +90,10 @@ class PairHealth:
             for key in [k for k in table if worker in k]:
                 del table[key]
 
+    def any_marked(self) -> bool:
+        """Whether some pair may be marked (an expired mark still counts until it is read)."""
+        return bool(self._marks)
+
     def is_marked(self, prefill: Hashable, decode: Hashable) -> bool:
         return self._live((prefill, decode), self.clock()) is not None
 

@@ -469,18 +469,21 @@ class WorkerPool:
         excluded = set(exclude)
         failed = set(avoid_pairs)
 
-        def bad(p: WorkerHandle, d: WorkerHandle) -> bool:
-            return (p, d) in failed or self.pairs.is_marked(p, d)
-
         roles = (("decode", self.decodes),) if self.colocated else (("prefill", self.prefills), ("decode", self.decodes))
+        probed = False
         for role, group in roles:
             if not any(w.healthy for w in group):
                 await self.probe_all(group, fresh=True)  # bounded by twice the probe timeout
-            if not any(w.healthy for w in group):
-                raise no_healthy_workers(role)
-        for role, group in roles:  # a group may have emptied while another was probed (an await above)
-            if not any(w.healthy for w in group):
-                raise no_healthy_workers(role)
+                probed = True
+                if not any(w.healthy for w in group):
+                    raise no_healthy_workers(role)
+        if probed:
+            for role, group in roles:  # a group may have emptied while another was probed (an await above)
+                if not any(w.healthy for w in group):
+                    raise no_healthy_workers(role)
+        # no await from here on. With no pair marked or avoided (the usual request) no pair is bad:
+        # nothing to test per pair
+        bad = self._bad_pairs(failed) if failed or self.pairs.any_marked() else None
         match = PrefixMatch(self.index, prompt) if self.cache_aware and prompt is not None else None
         # decode first (each role's policy is its own, so the order changes no choice): whether
         # the request needs a prefill at all depends on what the chosen decode holds
@@ -492,8 +495,10 @@ class WorkerPool:
         if self.colocated or local:
             prefill = None
         elif not (prefill is not None and prefill.healthy and prefill not in excluded and prefill in self.prefills):
-            prefill = self._policies["prefill"].choose(self._prefills_with_a_good_pair(excluded, bad), load_of, match)
-        if prefill is not None and bad(prefill, decode):
+            prefills = (self._candidates(self.prefills, excluded) if bad is None
+                        else self._prefills_with_a_good_pair(excluded, bad))
+            prefill = self._policies["prefill"].choose(prefills, load_of, match)
+        if prefill is not None and bad is not None and bad(prefill, decode):
             # choose again among the pair's good decodes (not from the start among a shrunken list,
             # whose round-robin would starve a worker); every pair bad: route anyway
             good = [d for d in decodes if not bad(prefill, d)]
@@ -518,10 +523,17 @@ class WorkerPool:
             size = w.prefix_page_size
             self.index.insert(w, ids.for_page_size(size), cap=w.capacity_tokens // size)
 
+    def _bad_pairs(self, failed: set[tuple[WorkerHandle | None, WorkerHandle]]) -> Callable[[WorkerHandle, WorkerHandle], bool]:
+        """Whether a pair is to be avoided: this request failed on it, or it is marked."""
+        def bad(p: WorkerHandle, d: WorkerHandle) -> bool:
+            return (p, d) in failed or self.pairs.is_marked(p, d)
+
+        return bad
+
     @staticmethod
     def _candidates(group: list[WorkerHandle], excluded: set[WorkerHandle]) -> list[WorkerHandle]:
         healthy = [w for w in group if w.healthy]
-        return [w for w in healthy if w not in excluded] or healthy
+        return ([w for w in healthy if w not in excluded] or healthy) if excluded else healthy
 
     def _prefills_with_a_good_pair(self, excluded: set[WorkerHandle], bad: Callable[[WorkerHandle, WorkerHandle], bool]) -> list[WorkerHandle]:
         """The candidate prefills that have at least one good pair with a candidate decode

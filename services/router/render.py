@@ -84,6 +84,9 @@ class ResponseState:
         self._prompt_ids_sent = False
         # the prompt's logprobs (prompt_logprobs, or echo with logprobs), from the first chunk
         self.prompt_lp: PromptLogprobs | None = None
+        # nothing asked for but the text: feed_each's per-token path can skip what feed() checks
+        self._plain = (spec.logprobs is None and not spec.return_token_ids and self.tool_stream is None
+                       and not spec.echo_only and not spec.echo)
 
     @property
     def prompt_tokens(self) -> int:
@@ -148,6 +151,8 @@ class ResponseState:
         n = len(chunk.token_ids)
         if n <= 1:
             return [(*self.feed(chunk), self.finish_reason)]
+        if self._plain and not self._echo_pending and self.finish_reason is None:
+            return self._feed_plain(chunk)
         out = []
         for i, token in enumerate(chunk.token_ids):
             part = Chunk([token], chunk.logprobs[i : i + 1], chunk.finish_reason if i == n - 1 else "",
@@ -156,6 +161,30 @@ class ResponseState:
             out.append((*self.feed(part), self.finish_reason))
             if self.finished:
                 break
+        return out
+
+    def _feed_plain(self, chunk: Chunk) -> list[tuple[str, list[Entry], str | None]]:
+        """feed_each() for a choice that asked for nothing but its text (no logprobs, no token ids,
+        no tools, no echo): what feed() of one token at a time gives, without a Chunk per token."""
+        if self.cached_tokens is None:
+            self.cached_tokens = min(chunk.cached_tokens, self.prompt_tokens)
+        if chunk.prompt is not None and self.prompt_lp is None:
+            self.prompt_lp = chunk.prompt
+        ids, out, add = chunk.token_ids, [], self.out.add
+        last = len(ids) - 1
+        for i, token in enumerate(ids):
+            finish_reason = chunk.finish_reason if i == last else ""
+            self.completion_tokens += 1
+            # the token that made decode stop (eos or a stop_token_id) is counted but not shown
+            text = "" if finish_reason == "stop" else add(token)
+            if self.out.stopped:
+                self.finish_reason = "stop"
+                out.append((text, [], "stop"))
+                break
+            if finish_reason:
+                text += self.out.finish()
+                self.finish_reason = finish_reason
+            out.append((text, [], self.finish_reason))
         return out
 
     @property

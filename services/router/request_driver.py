@@ -17,6 +17,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from services.common.logging_setup import get_logger
+from services.common.metrics import observe_many
 from services.router import errors
 from services.router.errors import APIError
 from services.router.fanout import FanIn, PrefillShare, Single
@@ -107,9 +108,7 @@ class RequestDriver:
             r.ttft_metric.observe(self.ttft)
         last = self.last_token_at[index]
         if last is not None and n:
-            gap = (now - last) / n
-            for _ in range(n):
-                r.itl_metric.observe(gap)
+            observe_many(r.itl_metric, (now - last) / n, n)  # one gap per token
         self.last_token_at[index] = now
         state = self.states[index]
         before = state.completion_tokens

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.common.metrics import ITL_BUCKETS, RENAMED, Metrics
+from services.common.metrics import ITL_BUCKETS, RENAMED, Metrics, observe_many
 from services.common.rate_window import RateWindow
 
 
@@ -159,3 +159,20 @@ def test_sglang_dashboard_ported_by_a_prefix_swap_finds_every_series():
     for panel, names in SGLANG_DASHBOARD_PANELS.items():
         missing = [n for n in names if "pdmesh:" + n not in exported]
         assert not missing, f"SGLang's panel {panel!r} would find no {missing}"
+
+
+def test_observe_many_records_what_as_many_observes_record():
+    many, each = Metrics("router", "m", "r0"), Metrics("router", "m", "r0")
+    for value, count in ((0.0035, 5), (0.0, 1), (0.25, 3), (1e9, 2), (0.01, 0)):
+        observe_many(many.child(many.inter_token_latency), value, count)
+        for _ in range(count):
+            each.observe(each.inter_token_latency, value)
+
+    def samples(m: Metrics) -> dict:
+        return {(s.name, s.labels.get("le")): s.value
+                for s in families(m)["pdmesh:router_inter_token_latency_seconds"].samples if not s.name.endswith("_created")}
+
+    got, want = samples(many), samples(each)
+    assert got.keys() == want.keys() and got[("pdmesh:router_inter_token_latency_seconds_count", None)] == 11
+    for key, value in want.items():
+        assert abs(got[key] - value) <= 1e-12 * max(1.0, abs(value)), key

@@ -180,3 +180,34 @@ def test_feed_each_keeps_each_tokens_alternatives():
     for i, t in enumerate(b"abc"):
         one.feed(Chunk([t], [[-0.1, -0.2, -0.3][i]], "length" if i == 2 else "", top[i : i + 1]))
     assert whole.body() == one.body() | {"created": whole.created}
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+@pytest.mark.parametrize("stop", [[], ["lo w"], ["o", "zz"]])
+def test_feed_each_gives_what_one_token_chunks_give(kind, stop):
+    """feed_each of a many-token chunk (the plain-text path too) equals feeding its tokens one
+    chunk each: texts, finish reasons, usage and body, with split characters and stop strings."""
+    rng = random.Random(7)
+    text = "hello wörld ☃ lo w again lo".encode()
+    for trial in range(80):
+        # cut anywhere (mid-character, inside a stop string's prefix); the token that stops decode
+        # is hidden whichever it is
+        reason = rng.choice(["stop", "length"])
+        ids = list(text[: rng.randint(2, len(text))]) + ([rng.choice([BUILTIN_EOS_ID, ord("X")])]
+                                                        if reason == "stop" else [])
+        cuts = sorted(rng.sample(range(1, len(ids)), min(len(ids) - 1, rng.randint(1, 8))))
+        chunks = [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)], strict=True)]
+        many = ResponseState(spec(kind=kind, stop=stop, stream=True), TOK, TokenStrings(TOK), "r")
+        single = ResponseState(spec(kind=kind, stop=stop, stream=True), TOK, TokenStrings(TOK), "r")
+        got, want = [], []
+        for k, part in enumerate(chunks):
+            finish = reason if k == len(chunks) - 1 else ""
+            if not many.finished:
+                got += many.feed_each(Chunk(part, [0.0] * len(part), finish, cached_tokens=2))
+            for i, t in enumerate(part):
+                if single.finished:
+                    break
+                last = finish if i == len(part) - 1 else ""
+                want.append((*single.feed(Chunk([t], [0.0], last, cached_tokens=2)), single.finish_reason))
+        assert got == want, (trial, chunks)
+        assert many.body() == single.body() | {"created": many.created}

@@ -38,9 +38,12 @@ sglang-router's threads take all K as well) and wrk and the workers the rest. Mo
 help when the router has the cores for them: on this 2-core machine that needs `--no-pin` (the
 router, wrk and the workers then share both cores).
 
+The lane's carrier: `--grpc-lane` also measures pdmesh's router with `--worker-lane-client grpc`
+(side `pdmesh_grpc_lane`: the lane on a grpc.aio stream instead of the router's own HTTP/2).
+
 Usage: python bench/router_compare.py [--seconds 5] [--rounds 2] [--stream-tokens 64] [--no-pin]
-       [--only pdmesh|sglang] [--floor] [--baseline DIR] [--processes 1,2] [--router-cores K]
-       [--sglang-cores K]
+       [--only pdmesh|sglang] [--floor] [--baseline DIR] [--grpc-lane] [--processes 1,2]
+       [--router-cores K] [--sglang-cores K]
 """
 
 from __future__ import annotations
@@ -262,6 +265,9 @@ def main() -> int:
     ap.add_argument("--baseline", type=pathlib.Path, metavar="DIR",
                     help="also measure the router and fake workers of another pdmesh checkout (e.g. main's, "
                          "with its generated code), as the side 'baseline', in the same run")
+    ap.add_argument("--grpc-lane", action="store_true",
+                    help="also measure pdmesh's router with --worker-lane-client grpc (the lane on a grpc.aio "
+                         "stream instead of the router's own HTTP/2), as the side 'pdmesh_grpc_lane'")
     ap.add_argument("--floor", action="store_true",
                     help="also measure bench/router_floor.py (HTTP + two gRPC calls, nothing else) in the "
                          "non-streamed cases")
@@ -290,6 +296,8 @@ def main() -> int:
     sides = ["sglang", "pdmesh"] if args.only is None else [args.only]
     if args.only != "sglang":
         sides += [f"pdmesh_p{n}" for n in processes[1:]]
+    if args.grpc_lane:
+        sides.append("pdmesh_grpc_lane")
     if args.baseline:
         sides.append("baseline")
     if args.floor:
@@ -335,6 +343,8 @@ def main() -> int:
             for n in processes[1:]:
                 if f"pdmesh_p{n}" in sides:
                     grpc_side(f"pdmesh_p{n}", "services.router", [*pdmesh_router, "--processes", str(n)])
+            if "pdmesh_grpc_lane" in sides:
+                grpc_side("pdmesh_grpc_lane", "services.router", [*pdmesh_router, "--worker-lane-client", "grpc"])
             if "baseline" in sides:  # the same processes, from the other checkout's files
                 grpc_side("baseline", "services.router", pdmesh_router, args.baseline.resolve())
             for floor in ("floor", "floor_lane"):
@@ -379,7 +389,8 @@ def main() -> int:
                 case = {"concurrency": conns, "max_tokens": max_tokens, "stream": stream}
                 for side in measured:
                     case[side] = {"median": median_of(runs[side]), "runs": runs[side]}
-                pairs = [("pdmesh", "sglang"), ("baseline", "sglang"), ("floor", "sglang"),
+                pairs = [("pdmesh", "sglang"), ("baseline", "sglang"), ("pdmesh_grpc_lane", "sglang"),
+                         ("pdmesh", "pdmesh_grpc_lane"), ("floor", "sglang"),
                          ("floor_lane", "sglang"), ("pdmesh", "baseline"), ("pdmesh", "floor"),
                          ("pdmesh", "floor_lane")]
                 pairs += [(f"pdmesh_p{n}", other) for n in processes[1:] for other in ("sglang", "pdmesh")]
@@ -409,6 +420,7 @@ def main() -> int:
                       "(services/fakes/workers.py), one process each; the fake decode coalesces tokens as the "
                       f"real one does: {os.environ.get('PDMESH_FAKE_COALESCE', '1') == '1'}",
             "baseline": f"the router and fake workers of {args.baseline}" if args.baseline else None,
+            "pdmesh_grpc_lane": "pdmesh's router with --worker-lane-client grpc" if args.grpc_lane else None,
             "floor": "bench/router_floor.py: uvicorn + grpc.aio, Prefill + Decode per request and nothing else, "
                      "one gRPC call each, in front of its own instant fake gRPC workers (non-streamed cases only)",
             "floor_lane": "bench/router_floor.py --lane: the same with both calls over the lane (one stream per "

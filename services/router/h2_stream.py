@@ -244,6 +244,9 @@ class H2Stream(asyncio.Protocol):
         buf = self._in
         if buf:
             buf += data
+            # a large frame arrives in many reads: join only once it is whole (not once per read)
+            if len(buf) < 9 or len(buf) < 9 + (buf[0] << 16 | buf[1] << 8 | buf[2]):
+                return
             data = bytes(buf)
             buf.clear()
         pos, n = 0, len(data)

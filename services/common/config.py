@@ -261,6 +261,12 @@ ROUTER_FLAGS = [
     Flag("worker-lane", bool, True,
          "send Prefill / Decode calls to each worker over one multiplexed stream (the lane) instead of "
          "one gRPC call each (false: one call each; a worker without the lane gets that anyway)"),
+    Flag("worker-keepalive-time", float, 2.0,
+         "seconds without a frame from a worker before the router pings it (HTTP/2 keep-alive on each "
+         "connection to a worker)"),
+    Flag("worker-keepalive-timeout", float, 2.0,
+         "seconds a worker has to answer a keep-alive ping; a worker that answers nothing is taken as "
+         "gone (frozen, or cut off): its lane's calls fail UNAVAILABLE and fail over or migrate"),
     Flag("worker-lane-client", str, "h2",
          "what carries each lane: h2, the router's own HTTP/2 connection in its event loop (a worker "
          "address that is not host:port uses grpc); grpc, a grpc.aio stream (gRPC C-core's threads)",

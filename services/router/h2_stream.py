@@ -24,9 +24,11 @@ What of HTTP/2 (RFC 9113) and gRPC's mapping onto it it implements:
   decoded with `hpack`; grpc-status / grpc-message and the trailing metadata from them;
 - RST_STREAM and GOAWAY (a GOAWAY that excludes the stream ends it; one that does not lets it
   run to its end, as the worker drains);
-- keep-alive as the internal channels have it (services/common/grpc_server.py): a PING every
-  `keepalive_time`, and a stream whose PING is not answered within `keepalive_timeout` fails
-  with UNAVAILABLE: a frozen worker or a partition is found whatever the TCP connection says;
+- keep-alive: a PING after every `keepalive_time` in which nothing came from the worker, and a
+  stream whose PING is not answered (nor anything else heard) within `keepalive_timeout` fails
+  with UNAVAILABLE: a frozen worker or a partition is found whatever the TCP connection says.
+  (grpc.aio's own keep-alive does not do this here: C-core sends a ping without data at most
+  every 5 minutes, so its lane to a frozen worker failed only after about a minute.)
 - connecting is bounded by `connect_timeout`.
 """
 
@@ -147,6 +149,7 @@ class H2Stream(asyncio.Protocol):
         self._writable: asyncio.Future | None = None  # a write waiting for window or a drained socket
         self._paused = False
         self._ping_timer: asyncio.TimerHandle | None = None
+        self._heard_at = self._ping_sent_at = 0.0  # loop times: the last bytes from the worker, the last ping
         self._ready = self._loop.create_future()  # the connection is made and the request headers sent
         self._ready.add_done_callback(_retrieve)
         self._request_headers = [
@@ -178,7 +181,7 @@ class H2Stream(asyncio.Protocol):
         if self._messages:
             fut.set_result(self._messages.popleft())
         elif self._end is not None:
-            _settle(fut, self._end)
+            settle(fut, self._end)
         else:
             self._reader = fut
         return fut
@@ -241,6 +244,7 @@ class H2Stream(asyncio.Protocol):
     # --- frames in -----------------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
+        self._heard_at = self._loop.time()
         buf = self._in
         if buf:
             buf += data
@@ -426,11 +430,20 @@ class H2Stream(asyncio.Protocol):
     def _ping(self) -> None:
         if self._end is not None or self._transport is None:
             return
+        quiet = self._loop.time() - self._heard_at
+        if quiet < self._keepalive_time:
+            # frames came in meanwhile: the worker is alive; a ping only after a quiet spell
+            self._ping_timer = self._loop.call_later(self._keepalive_time - quiet, self._ping)
+            return
+        self._ping_sent_at = self._loop.time()
         self._transport.write(frame(PING, 0, 0, b"pdmeshka"))
         self._ping_timer = self._loop.call_later(self._keepalive_timeout, self._ping_unanswered)
 
     def _ping_unanswered(self) -> None:
         self._ping_timer = None
+        if self._heard_at >= self._ping_sent_at:
+            self._schedule_ping()  # anything heard since the ping proves the worker alive
+            return
         self._fail_and_close(grpc.StatusCode.UNAVAILABLE,
                              f"{self.addr} did not answer a keep-alive ping within {self._keepalive_timeout} s")
 
@@ -448,7 +461,7 @@ class H2Stream(asyncio.Protocol):
         self._cancel_ping()
         reader, self._reader = self._reader, None
         if reader is not None and not reader.done():
-            _settle(reader, end)
+            settle(reader, end)
         if not self._ready.done():
             self._ready.set_exception(self._end_error())
         if not self._connecting.done() and asyncio.current_task() is not self._connecting:
@@ -477,7 +490,9 @@ class H2Stream(asyncio.Protocol):
         self._fail_and_close(grpc.StatusCode.INTERNAL, f"HTTP/2 protocol error from {self.addr}: {details}")
 
 
-def _settle(fut: asyncio.Future, end) -> None:
+def settle(fut: asyncio.Future, end) -> None:
+    """Resolve a reader's future with a stream's end: EOF as its result, an error raised,
+    CancelledError as the future's cancellation."""
     if isinstance(end, asyncio.CancelledError):
         fut.cancel()
     elif isinstance(end, BaseException):

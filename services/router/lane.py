@@ -35,7 +35,7 @@ from services.common.grpc_server import (KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
 from services.common.lane_batches import LANE_MESSAGE_BYTES, batches, entry_bytes
 from services.common.logging_setup import get_logger
 from services.common.refusal import refusal_metadata
-from services.router.h2_stream import H2Stream, host_port
+from services.router.h2_stream import H2Stream, host_port, settle
 
 log = get_logger("router.lane")
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -43,6 +43,7 @@ _EMPTY = grpc.aio.Metadata()
 CLIENTS = ("h2", "grpc")  # what carries the lane's stream: the router's own HTTP/2 (h2_stream.py) or grpc.aio
 # a lane that cannot connect within this fails its calls (UNAVAILABLE), as a keep-alive that goes unanswered
 CONNECT_TIMEOUT_S = (KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS) / 1000
+KEEPALIVE = (KEEPALIVE_TIME_MS / 1000, KEEPALIVE_TIMEOUT_MS / 1000)  # (time, timeout) by default, seconds
 
 
 def lane_path(stub) -> str:
@@ -169,19 +170,10 @@ class LaneDecodeCall(_Call):
         if self._chunks:
             fut.set_result(self._chunks.popleft())
         elif self._end is not None:
-            self._settle(fut, self._end)
+            settle(fut, self._end)
         else:
             self._waiter = fut
         return fut
-
-    @staticmethod
-    def _settle(fut: asyncio.Future, end) -> None:
-        if isinstance(end, asyncio.CancelledError):
-            fut.cancel()
-        elif isinstance(end, BaseException):
-            fut.set_exception(end)
-        else:
-            fut.set_result(end)
 
     def _push(self, item) -> None:
         waiter, self._waiter = self._waiter, None
@@ -196,7 +188,7 @@ class LaneDecodeCall(_Call):
         self._end = end
         waiter, self._waiter = self._waiter, None
         if waiter is not None and not waiter.done():
-            self._settle(waiter, end)
+            settle(waiter, end)
 
     def deliver(self, reply: wpb.LaneReply) -> None:
         kind = reply.WhichOneof("msg")
@@ -240,7 +232,7 @@ class Lane:
     """One worker's lane: opened on the first call, re-opened by the first call after it failed."""
 
     def __init__(self, stub, addr: str, on_failure=None, max_message_bytes: int = LANE_MESSAGE_BYTES,
-                 client: str = "h2") -> None:
+                 client: str = "h2", keepalive: tuple[float, float] = KEEPALIVE) -> None:
         if client not in CLIENTS:
             raise ValueError(f"lane client {client!r}: one of {CLIENTS}")
         self.addr = addr
@@ -249,6 +241,7 @@ class Lane:
         # the router's own HTTP/2 connection where the address is host:port; else the stub's (gRPC's resolver)
         self.client = client if host_port(addr) is not None else "grpc"
         self.path = lane_path(stub)
+        self.keepalive = keepalive  # (time, timeout) of the h2 connection's pings, seconds
         # called with the status when the stream fails: the lane is a connection held open to the
         # worker, so a worker that dies is noticed at once (the pool probes it), calls or not
         self._on_failure = on_failure
@@ -291,8 +284,8 @@ class Lane:
         md = ((TOKEN_KEY, internal_token()),) if internal_token() else None
         if self.client == "h2":
             stream = H2Stream(self.addr, self.path, wpb.LaneUp.SerializeToString, wpb.LaneDown.FromString, md or (),
-                              max_message_bytes=MAX_MESSAGE_BYTES, keepalive_time=KEEPALIVE_TIME_MS / 1000,
-                              keepalive_timeout=KEEPALIVE_TIMEOUT_MS / 1000, connect_timeout=CONNECT_TIMEOUT_S)
+                              max_message_bytes=MAX_MESSAGE_BYTES, keepalive_time=self.keepalive[0],
+                              keepalive_timeout=self.keepalive[1], connect_timeout=CONNECT_TIMEOUT_S)
         else:
             stream = self.fallback.Lane(metadata=md)
         self._stream = stream
@@ -381,9 +374,9 @@ class LaneStub:
     workers use RpcTransport, the bare stub, instead)."""
 
     def __init__(self, stub, addr: str, on_failure=None, max_message_bytes: int = LANE_MESSAGE_BYTES,
-                 client: str = "h2") -> None:
+                 client: str = "h2", keepalive: tuple[float, float] = KEEPALIVE) -> None:
         self._stub = stub
-        self.lane = Lane(stub, addr, on_failure, max_message_bytes, client)
+        self.lane = Lane(stub, addr, on_failure, max_message_bytes, client, keepalive)
 
     def __getattr__(self, name):  # Load, Abort, and Prefill / Decode of a lane-less worker
         return getattr(self._stub, name)

@@ -68,7 +68,7 @@ from services.router.pair_health import PairHealth
 from services.router.policy import CacheThresholds, make_policy
 from services.router.prefix_index import PrefixIndex, RequestKeys
 from services.router.shared_state import PeerView, worker_key
-from services.router.transport import WorkerTransport, connect
+from services.router.transport import KEEPALIVE, WorkerTransport, connect
 
 log = get_logger("router.pool")
 
@@ -151,6 +151,7 @@ class WorkerPool:
         colocated: bool = False,
         lane: bool = True,
         lane_client: str = "h2",
+        keepalive: tuple[float, float] = KEEPALIVE,
         load: LoadView = LOCAL,
         pair_hold: float = 30.0,
         cache_thresholds: CacheThresholds | None = None,
@@ -161,6 +162,7 @@ class WorkerPool:
         self.load = load  # the router's other processes' loads and ejections (services/router/load_view.py)
         self.lane = lane  # Prefill / Decode over each worker's lane (services/router/lane.py)
         self.lane_client = lane_client  # what carries it: h2 (services/router/h2_stream.py) or grpc
+        self.keepalive = keepalive  # (time, timeout) in seconds, on each worker's connections
         self.colocated = colocated  # decode workers only: choose_pair returns (None, decode)
         self.specs = {"prefill": list(dict.fromkeys(prefill_addrs)), "decode": list(dict.fromkeys(decode_addrs))}
         for spec in (*self.specs["prefill"], *self.specs["decode"]):
@@ -202,7 +204,8 @@ class WorkerPool:
         self._task = asyncio.create_task(self._loop(), name="router-health")
 
     def _connect(self, w: WorkerHandle) -> WorkerHandle:
-        w.transport = connect(w.role, w.addr, self.lane, self.lane_client, on_failure=lambda code, w=w: self.report_failure(w, code))
+        w.transport = connect(w.role, w.addr, self.lane, self.lane_client, self.keepalive,
+                              on_failure=lambda code, w=w: self.report_failure(w, code))
         self._set_gauge(w)
         return w
 

@@ -67,6 +67,7 @@ class Router:
             dns_refresh_interval=settings.dns_refresh_interval,
             lane=settings.worker_lane,
             lane_client=settings.worker_lane_client,
+            keepalive=(settings.worker_keepalive_time, settings.worker_keepalive_timeout),
             load=self.load,
             pair_hold=settings.pair_hold,
             cache_thresholds=CacheThresholds(settings.cache_threshold, settings.balance_abs_threshold,

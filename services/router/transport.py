@@ -31,7 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.grpc_server import internal_channel
-from services.router.lane import LaneStub
+from services.router.lane import KEEPALIVE, LaneStub
 
 CHANNEL_OPTIONS = [
     # a worker that comes back must be found quickly, not after gRPC's default backoff (up to 120 s)
@@ -103,9 +103,10 @@ class LaneTransport(RpcTransport):
     `on_failure(code)`: the lane's stream failed (the worker may be gone)."""
 
     def __init__(self, role: str, addr: str, channel: grpc.aio.Channel,
-                 on_failure: Callable[[grpc.StatusCode], None] | None = None, client: str = "h2"):
+                 on_failure: Callable[[grpc.StatusCode], None] | None = None, client: str = "h2",
+                 keepalive: tuple[float, float] = KEEPALIVE):
         super().__init__(role, addr, channel)
-        self._lane_stub = LaneStub(self.stub, addr, on_failure=on_failure, client=client)
+        self._lane_stub = LaneStub(self.stub, addr, on_failure=on_failure, client=client, keepalive=keepalive)
         self.lane = self._lane_stub.lane
 
     def prefill(self, request: wpb.PrefillRequest, timeout: float | None) -> PrefillCall:
@@ -120,10 +121,13 @@ class LaneTransport(RpcTransport):
 
 
 def connect(role: str, addr: str, lane: bool, lane_client: str = "h2",
+            keepalive: tuple[float, float] = KEEPALIVE,
             on_failure: Callable[[grpc.StatusCode], None] | None = None) -> WorkerTransport:
     """The worker's channel (keep-alive, the internal token) and its transport; `lane_client`: what
-    carries the lane (h2: the router's own HTTP/2 connection, services/router/h2_stream.py; grpc)."""
-    channel = internal_channel(addr, CHANNEL_OPTIONS)
+    carries the lane (h2: the router's own HTTP/2 connection, services/router/h2_stream.py; grpc);
+    `keepalive`: (time, timeout) in seconds, for the lane and the channel alike."""
+    channel = internal_channel(addr, [*CHANNEL_OPTIONS, ("grpc.keepalive_time_ms", int(keepalive[0] * 1000)),
+                                      ("grpc.keepalive_timeout_ms", int(keepalive[1] * 1000))])
     if lane:
-        return LaneTransport(role, addr, channel, on_failure, lane_client)
+        return LaneTransport(role, addr, channel, on_failure, lane_client, keepalive)
     return RpcTransport(role, addr, channel)

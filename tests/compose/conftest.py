@@ -12,6 +12,7 @@ SETTINGS = {
     "TEST_WATCHDOG_INTERVAL": "0.5",
     "TEST_DELAY_FORWARD": "2",
     "TEST_ROUTER_HEALTH_FAILURES": "10",
+    "TEST_ROUTER_KEEPALIVE_TIMEOUT": "30",
 }
 HEALTHY_WITHIN = 240  # s from `up` (a cold start of three torch processes on two busy cores)
 

@@ -209,3 +209,4 @@ def test_a_message_over_the_receive_limit_ends_the_stream():
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
     run(fn)
+

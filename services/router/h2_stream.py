@@ -27,8 +27,8 @@ What of HTTP/2 (RFC 9113) and gRPC's mapping onto it it implements:
 - keep-alive: a PING after every `keepalive_time` in which nothing came from the worker, and a
   stream whose PING is not answered (nor anything else heard) within `keepalive_timeout` fails
   with UNAVAILABLE: a frozen worker or a partition is found whatever the TCP connection says.
-  (grpc.aio's own keep-alive does not do this here: C-core sends a ping without data at most
-  every 5 minutes, so its lane to a frozen worker failed only after about a minute.)
+  (grpc.aio's keep-alive on the same settings did not: its lane to a SIGSTOPped worker failed
+  after about a minute, C-core limiting the pings it sends while no data is sent.)
 - connecting is bounded by `connect_timeout`.
 """
 

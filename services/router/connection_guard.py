@@ -38,8 +38,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from uvicorn.protocols.http.httptools_impl import (HEADER_RE, HEADER_VALUE_RE, STATUS_LINE, HttpToolsProtocol,
-                                                   RequestResponseCycle)
+from uvicorn.protocols.http.httptools_impl import (
+    HEADER_RE,
+    HEADER_VALUE_RE,
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
 CONNECTION_EXTENSION = "pdmesh.connection"  # scope["extensions"][...]: the request's connection

@@ -55,7 +55,7 @@ MAX_FRAME = 1 << 20  # the largest frame this side accepts (the worker's frames 
 STREAM_ID = 1
 _HEAD = struct.Struct(">HBBBI")  # a frame header: length (24 bits: 16 + 8), type, flags, stream id
 _PREFIX = struct.Struct(">BI")  # a gRPC message prefix: compressed flag, length
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
+CODES = {code.value[0]: code for code in grpc.StatusCode}  # a status code's number → grpc.StatusCode
 # HTTP status → gRPC status, for a response that is not gRPC's (gRPC's own mapping)
 _HTTP_CODES = {400: grpc.StatusCode.INTERNAL, 401: grpc.StatusCode.UNAUTHENTICATED,
                403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.UNIMPLEMENTED,
@@ -109,7 +109,8 @@ def encode_headers(headers: list[tuple[str, str]]) -> bytes:
     return bytes(out)
 
 
-def rpc_error(code: grpc.StatusCode, details: str, trailing: tuple = ()) -> grpc.aio.AioRpcError:
+def call_error(code: grpc.StatusCode, details: str, trailing: tuple = ()) -> grpc.aio.AioRpcError:
+    """The error grpc.aio would raise for a call that ended with this status and trailing metadata."""
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details=details)
 
 
@@ -203,11 +204,11 @@ class H2Stream(asyncio.Protocol):
         try:
             await asyncio.wait_for(self._loop.create_connection(lambda: self, *hp), timeout)
         except asyncio.CancelledError:
-            self._finish(rpc_error(grpc.StatusCode.CANCELLED, "cancelled while connecting"))
+            self._finish(call_error(grpc.StatusCode.CANCELLED, "cancelled while connecting"))
             raise
-        except (OSError, asyncio.TimeoutError) as e:
+        except (TimeoutError, OSError) as e:
             reason = "timed out" if isinstance(e, asyncio.TimeoutError) else str(e)
-            self._finish(rpc_error(grpc.StatusCode.UNAVAILABLE, f"failed to connect to {self.addr}: {reason}"))
+            self._finish(call_error(grpc.StatusCode.UNAVAILABLE, f"failed to connect to {self.addr}: {reason}"))
 
     def connection_made(self, transport) -> None:
         self._transport = transport
@@ -228,7 +229,7 @@ class H2Stream(asyncio.Protocol):
         self._cancel_ping()
         if self._end is None:
             why = f": {exc}" if exc else ""
-            self._finish(rpc_error(grpc.StatusCode.UNAVAILABLE, f"connection to {self.addr} lost{why}"))
+            self._finish(call_error(grpc.StatusCode.UNAVAILABLE, f"connection to {self.addr} lost{why}"))
         self._wake_writer()
 
     def pause_writing(self) -> None:
@@ -300,7 +301,7 @@ class H2Stream(asyncio.Protocol):
         if pos < n:
             msg += payload[pos:]
         if flags & END_STREAM and self._end is None:
-            self._finish(rpc_error(grpc.StatusCode.INTERNAL, "the stream ended without trailers"))
+            self._finish(call_error(grpc.StatusCode.INTERNAL, "the stream ended without trailers"))
 
     def _deliver(self, message) -> None:
         reader, self._reader = self._reader, None
@@ -344,14 +345,14 @@ class H2Stream(asyncio.Protocol):
             self._flush()
         elif ftype == RST_STREAM and sid == STREAM_ID:
             code = int.from_bytes(payload[:4], "big")
-            self._finish(rpc_error(_RST_CODES.get(code, grpc.StatusCode.INTERNAL),
+            self._finish(call_error(_RST_CODES.get(code, grpc.StatusCode.INTERNAL),
                                    f"stream reset by {self.addr} (HTTP/2 error code {code})"))
         elif ftype == GOAWAY:
             last = int.from_bytes(payload[:4], "big") & 0x7FFF_FFFF
             code = int.from_bytes(payload[4:8], "big")
             if last < STREAM_ID or code != 0:
                 debug = payload[8:].decode(errors="replace")
-                self._fail_and_close(grpc.StatusCode.UNAVAILABLE,
+                self._fail(grpc.StatusCode.UNAVAILABLE,
                                      f"{self.addr} went away (HTTP/2 error code {code}{': ' + debug if debug else ''})")
             # else the worker finishes this stream before it closes (a graceful shutdown)
 
@@ -388,14 +389,14 @@ class H2Stream(asyncio.Protocol):
 
     def _trailers(self, fields: dict, headers: list) -> None:
         value = fields.get("grpc-status")
-        code = _CODES.get(int(value), grpc.StatusCode.UNKNOWN) if value and value.isdigit() else None
+        code = CODES.get(int(value), grpc.StatusCode.UNKNOWN) if value and value.isdigit() else None
         if code is None:
-            self._finish(rpc_error(grpc.StatusCode.UNKNOWN, "the stream ended without a grpc-status"))
+            self._finish(call_error(grpc.StatusCode.UNKNOWN, "the stream ended without a grpc-status"))
         elif code == grpc.StatusCode.OK:
             self._finish(grpc.aio.EOF)
         else:
             trailing = tuple((k, v) for k, v in headers if not k.startswith(":") and k not in _NOT_METADATA)
-            self._finish(rpc_error(code, unquote(fields.get("grpc-message", "")), trailing))
+            self._finish(call_error(code, unquote(fields.get("grpc-message", "")), trailing))
 
     # --- frames out ----------------------------------------------------------------------------
 
@@ -444,7 +445,7 @@ class H2Stream(asyncio.Protocol):
         if self._heard_at >= self._ping_sent_at:
             self._schedule_ping()  # anything heard since the ping proves the worker alive
             return
-        self._fail_and_close(grpc.StatusCode.UNAVAILABLE,
+        self._fail(grpc.StatusCode.UNAVAILABLE,
                              f"{self.addr} did not answer a keep-alive ping within {self._keepalive_timeout} s")
 
     def _cancel_ping(self) -> None:
@@ -474,20 +475,20 @@ class H2Stream(asyncio.Protocol):
         end = self._end
         if isinstance(end, BaseException):
             return end
-        return rpc_error(grpc.StatusCode.INTERNAL, "the stream is over")  # EOF: nothing more can be written
+        return call_error(grpc.StatusCode.INTERNAL, "the stream is over")  # EOF: nothing more can be written
 
-    def _fail_and_close(self, code: grpc.StatusCode, details: str) -> None:
-        self._finish(rpc_error(code, details))
+    def _fail(self, code: grpc.StatusCode, details: str) -> None:
+        self._finish(call_error(code, details))  # which closes the connection
 
     def _fail_and_reset(self, code: grpc.StatusCode, details: str) -> None:
         if self._transport is not None and not self._transport.is_closing():
             self._transport.write(frame(RST_STREAM, 0, STREAM_ID, (8).to_bytes(4, "big")))
-        self._fail_and_close(code, details)
+        self._fail(code, details)
 
     def _protocol_error(self, details: str) -> None:
         if self._transport is not None and not self._transport.is_closing():
             self._transport.write(frame(GOAWAY, 0, 0, (0).to_bytes(4, "big") + (1).to_bytes(4, "big")))
-        self._fail_and_close(grpc.StatusCode.INTERNAL, f"HTTP/2 protocol error from {self.addr}: {details}")
+        self._fail(grpc.StatusCode.INTERNAL, f"HTTP/2 protocol error from {self.addr}: {details}")
 
 
 def settle(fut: asyncio.Future, end) -> None:

@@ -30,19 +30,20 @@ import itertools
 import grpc
 
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
-from services.common.grpc_server import (KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, MAX_MESSAGE_BYTES, TOKEN_KEY,
-                                         internal_token)
+from services.common.grpc_server import (
+    KEEPALIVE_TIME_MS,
+    KEEPALIVE_TIMEOUT_MS,
+    MAX_MESSAGE_BYTES,
+    TOKEN_KEY,
+    internal_token,
+)
 from services.common.lane_batches import LANE_MESSAGE_BYTES, batches, entry_bytes
 from services.common.logging_setup import get_logger
 from services.common.refusal import refusal_metadata
-from services.router.h2_stream import H2Stream, host_port, settle
+from services.router.h2_stream import CODES, H2Stream, call_error, host_port, settle
 
 log = get_logger("router.lane")
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
-_EMPTY = grpc.aio.Metadata()
 CLIENTS = ("h2", "grpc")  # what carries the lane's stream: the router's own HTTP/2 (h2_stream.py) or grpc.aio
-# a lane that cannot connect within this fails its calls (UNAVAILABLE), as a keep-alive that goes unanswered
-CONNECT_TIMEOUT_S = (KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS) / 1000
 KEEPALIVE = (KEEPALIVE_TIME_MS / 1000, KEEPALIVE_TIMEOUT_MS / 1000)  # (time, timeout) by default, seconds
 
 
@@ -54,8 +55,7 @@ def lane_path(stub) -> str:
 def rpc_error(code: grpc.StatusCode, details: str, refusal: int = 0) -> grpc.aio.AioRpcError:
     """The error grpc.aio would raise; a worker's refusal code goes where an RPC carries it (its
     trailing metadata, services/common/refusal.py), so the router reads both the same way."""
-    trailing = grpc.aio.Metadata(*refusal_metadata(refusal)) if refusal else _EMPTY
-    return grpc.aio.AioRpcError(code, _EMPTY, trailing, details=details)
+    return call_error(code, details, refusal_metadata(refusal) if refusal else ())
 
 
 class _Call:
@@ -122,7 +122,7 @@ class LanePrefillCall(_Call):
             if not self._future.done():
                 self._future.set_result(reply.prefill)
         elif kind == "end":
-            self.fail(rpc_error(_CODES.get(reply.end.code, grpc.StatusCode.UNKNOWN), reply.end.details, reply.end.refusal)
+            self.fail(rpc_error(CODES.get(reply.end.code, grpc.StatusCode.UNKNOWN), reply.end.details, reply.end.refusal)
                       if reply.end.code else rpc_error(grpc.StatusCode.INTERNAL, "Prefill call ended without a reply"))
 
     def fail(self, error: BaseException) -> None:
@@ -198,7 +198,7 @@ class LaneDecodeCall(_Call):
                 self.finished = True
         elif kind == "end":
             self._over()
-            code = _CODES.get(reply.end.code, grpc.StatusCode.UNKNOWN)
+            code = CODES.get(reply.end.code, grpc.StatusCode.UNKNOWN)
             self._finish(grpc.aio.EOF if code == grpc.StatusCode.OK
                          else rpc_error(code, reply.end.details, reply.end.refusal))
 
@@ -285,7 +285,7 @@ class Lane:
         if self.client == "h2":
             stream = H2Stream(self.addr, self.path, wpb.LaneUp.SerializeToString, wpb.LaneDown.FromString, md or (),
                               max_message_bytes=MAX_MESSAGE_BYTES, keepalive_time=self.keepalive[0],
-                              keepalive_timeout=self.keepalive[1], connect_timeout=CONNECT_TIMEOUT_S)
+                              keepalive_timeout=self.keepalive[1], connect_timeout=sum(self.keepalive))
         else:
             stream = self.fallback.Lane(metadata=md)
         self._stream = stream

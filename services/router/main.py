@@ -82,7 +82,6 @@ def main(argv=None) -> None:
         settings = replace(settings, process_index=child[0], shared_dir=child[1])
         sockets = [listening_socket(args.host, args.port, reuse_port=True)]
     app = create_app(settings)
-    router = app.state.router
     limits = ConnectionLimits(args.header_timeout, args.client_write_timeout, args.max_connections)
     config = server_config(app, limits, host=args.host, port=args.port,
                            log_level="debug" if args.log_level == "debug" else "warning",

@@ -366,3 +366,58 @@ def test_a_stopping_worker_refuses_new_calls_on_an_open_lane():
         assert ds.lane.opened == 1
 
     run_with(fn)
+
+
+FROZEN_WORKER = """
+import asyncio, sys
+from services.fakes.workers import FakeDecode
+
+async def main():
+    d = FakeDecode()
+    d.behaviour.mode = "hang"  # the call stays open, silent, until the worker ends it
+    await d.start()
+    print(d.port, flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+def test_a_sigstopped_worker_fails_its_calls_within_the_keepalive():
+    """A worker process that is SIGSTOPped with a call open on its lane (its TCP connection looks
+    fine, the call's deadline is a minute away): the lane's unanswered keep-alive ping fails the
+    call with UNAVAILABLE within keep-alive time + timeout, and tells the pool. (On a grpc.aio
+    stream, --worker-lane-client grpc, the same call was still open a minute later.)"""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", FROZEN_WORKER], stdout=subprocess.PIPE, text=True,
+                            cwd=os.getcwd())
+
+    async def main():
+        port = int(proc.stdout.readline())
+        failures = []
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            ds = LaneStub(wpb_grpc.DecodeStub(ch), f"127.0.0.1:{port}", on_failure=failures.append,
+                          keepalive=(0.5, 0.5))
+            call = ds.Decode(decode_request(1), timeout=60)
+            loop = asyncio.get_running_loop()
+            await asyncio.sleep(1.5)  # pings answered meanwhile: the lane stays
+            assert not call.done and ds.lane.opened == 1
+            os.kill(proc.pid, signal.SIGSTOP)
+            t0 = loop.time()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await asyncio.wait_for(call.read(), 30)
+            took = loop.time() - t0
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "keep-alive" in e.value.details()
+            assert took < 5, took  # 0.5 s quiet + 0.5 s for the answer, with room for a loaded machine
+            assert failures == [grpc.StatusCode.UNAVAILABLE]
+            await ds.lane.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        proc.kill()
+        proc.wait(10)

@@ -12,16 +12,9 @@ import socket
 import pytest
 
 from services.router import connection_guard, fastpath
-from tests.unit.test_router_app import Cluster, completion
+from tests.unit.test_router_app import Cluster, cluster_factory, completion  # noqa: F401 - cluster_factory is a fixture
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def cluster():
-    c = Cluster()
-    yield c
-    c.close()
 
 
 def request(body: dict, version: str = "1.1", extra: str = "") -> bytes:
@@ -67,7 +60,8 @@ def normal(response: bytes) -> bytes:
     return re.sub(rb'"created":\d+', b'"created":0', response)
 
 
-def test_one_write_sends_what_the_two_asgi_sends_would(cluster, monkeypatch):
+def test_one_write_sends_what_the_two_asgi_sends_would(cluster_factory, monkeypatch):  # noqa: F811
+    cluster = cluster_factory()
     writes = []
     real = connection_guard.write_whole
 
@@ -81,12 +75,13 @@ def test_one_write_sends_what_the_two_asgi_sends_would(cluster, monkeypatch):
     assert writes == [True, True, True]
     monkeypatch.setattr(fastpath, "write_whole", lambda *args: False)
     slow = [exchange(cluster, data) for data in cases]
-    for (f, f_closed), (s, s_closed) in zip(fast, slow):
+    for (f, f_closed), (s, s_closed) in zip(fast, slow, strict=True):
         assert normal(f[0]) == normal(s[0]) and f_closed == s_closed is False
     assert fast[0][0][0].startswith(b"HTTP/1.1 200 OK\r\n") and fast[1][0][0].startswith(b"HTTP/1.1 404")
 
 
-def test_pipelined_requests_are_answered_in_order_on_one_connection(cluster):
+def test_pipelined_requests_are_answered_in_order_on_one_connection(cluster_factory):  # noqa: F811
+    cluster = cluster_factory()
     data = b"".join(request(completion(prompt=p)) for p in ("a", "bb", "ccc"))
     responses, closed = exchange(cluster, data, 3)
     assert not closed
@@ -94,12 +89,14 @@ def test_pipelined_requests_are_answered_in_order_on_one_connection(cluster):
     assert tokens == [tokens[0], tokens[0] + 1, tokens[0] + 2]  # one byte token more each, in order
 
 
-def test_http_1_0_gets_connection_close_and_the_connection_ends(cluster):
+def test_http_1_0_gets_connection_close_and_the_connection_ends(cluster_factory):  # noqa: F811
+    cluster = cluster_factory()
     responses, closed = exchange(cluster, request(completion(), version="1.0"))
     assert b"\r\nconnection: close\r\n" in responses[0].lower() and closed
 
 
-def test_a_refusal_before_the_body_is_in_closes_the_connection(cluster):
+def test_a_refusal_before_the_body_is_in_closes_the_connection(cluster_factory):  # noqa: F811
+    cluster = cluster_factory()
     data = request(completion(), extra="Authorization: Bearer x\r\n").replace(
         b"Content-Length: ", b"Content-Length: 9999999999")  # over the body limit: 413 before reading it
     responses, closed = exchange(cluster, data)

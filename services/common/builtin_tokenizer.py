@@ -114,3 +114,6 @@ class BuiltinTokenizer(Tokenizer):
 
     def is_special(self, token_id: int) -> bool:
         return BYTE_TOKENS <= token_id < BUILTIN_VOCAB_SIZE
+
+    def token_bytes(self) -> dict[int, bytes]:
+        return {token_id: bytes([token_id]) for token_id in range(BYTE_TOKENS)}

@@ -11,6 +11,11 @@ character is at most 4 bytes, so ids that still end in U+FFFD after that many ne
 (a token that decodes to U+FFFD alone, an invalid byte): their text is emitted as it is. Ids that
 add no text at all (skipped special tokens) leave the window the same way. Without the bound each
 such id would re-decode every id before it: quadratic in the output's length.
+
+With a byte-level tokenizer (Tokenizer.byte_tables) most steps decode nothing: when nothing is
+held back and the context ends on a whole character, a token whose bytes are whole characters
+adds exactly its own text, which is what the two decodes would give; every other step (part of a
+character, a special token, a context that ends mid-character) decodes as above.
 """
 
 from __future__ import annotations
@@ -42,6 +47,9 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._chunks: list[str] = []
+        tables = tokenizer.byte_tables()
+        self._bytes, self._whole = tables if tables is not None else (None, None)
+        self._clean = self._context_whole()  # the next whole token's text is its own
 
     @property
     def text(self) -> str:
@@ -49,12 +57,34 @@ class IncrementalDetokenizer:
         return "".join(self._chunks)
 
     def add(self, token_id: int) -> str:
+        if self._clean:
+            text = self._whole.get(token_id)  # type: ignore[union-attr] - _clean implies the tables
+            if text is not None:
+                # the state _emit would leave: the emitted token is the next step's context
+                self._ids = [token_id]
+                self._prefix_offset, self._read_offset = 0, 1
+                self._chunks.append(text)
+                return text
         self._ids.append(token_id)
-        return self._emit(final=False)
+        text = self._emit(final=False)
+        self._clean = self._context_whole()
+        return text
 
     def flush(self) -> str:
         """Emit whatever is held back (e.g. an incomplete character at the end of generation)."""
-        return self._emit(final=True)
+        text = self._emit(final=True)
+        self._clean = self._context_whole()
+        return text
+
+    def _context_whole(self) -> bool:
+        """Nothing is held back and the context's bytes are whole UTF-8 characters."""
+        if self._bytes is None or self._read_offset != len(self._ids):
+            return False
+        try:
+            b"".join([self._bytes[i] for i in self._ids[self._prefix_offset:]]).decode("utf-8")
+        except (KeyError, UnicodeDecodeError):
+            return False  # a special or added token, or a character cut in two
+        return True
 
     def _emit(self, final: bool) -> str:
         context_text = self._decode(self._ids[self._prefix_offset : self._read_offset])

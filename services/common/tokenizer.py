@@ -20,6 +20,7 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 
 from services.common.builtin_tokenizer import BuiltinTokenizer
+from services.common.byte_level import byte_table
 from services.common.tokenizer_base import (
     NAMED_SPECIAL_TOKENS,
     ChatTemplateError,
@@ -82,6 +83,10 @@ class HuggingFaceTokenizer(Tokenizer):
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
+
+    def token_bytes(self) -> dict[int, bytes] | None:
+        # the space clean-up rewrites text across token boundaries: no per-token promise then
+        return None if self._clean_up_spaces else byte_table(self._backend)
 
 
 def _clean_up_tokenization(text: str) -> str:

@@ -52,6 +52,21 @@ class ChatTemplateError(ValueError):
     """There is no chat template, it does not compile, or it refused the conversation."""
 
 
+_UNSET = object()
+
+
+def _whole_texts(table: Mapping[int, bytes]) -> dict[int, str]:
+    out = {}
+    for token_id, raw in table.items():
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            continue  # part of a character: its text depends on its neighbours
+        if text and not text.endswith("\ufffd"):
+            out[token_id] = text
+    return out
+
+
 class Tokenizer(ABC):
     """What the router and workers need from a tokenizer; chat rendering is shared by all backends."""
 
@@ -88,6 +103,25 @@ class Tokenizer(ABC):
     @abstractmethod
     def is_special(self, token_id: int) -> bool:
         """Whether `token_id` is a special (control) token that decode skips."""
+
+    def token_bytes(self) -> Mapping[int, bytes] | None:
+        """The bytes each ordinary token stands for, where `decode` of any run of such tokens is
+        exactly the UTF-8 decoding (U+FFFD for what is not UTF-8) of their bytes joined: a
+        byte-level tokenizer. An incremental detokenizer then appends a token's text without
+        decoding its neighbours again (services/common/detokenizer.py). None: no such promise
+        (a sentencepiece decoder, a space clean-up, ...); special and added tokens are never in it."""
+        return None
+
+    def byte_tables(self) -> tuple[Mapping[int, bytes], Mapping[int, str]] | None:
+        """`token_bytes()`, and of those the tokens whose bytes are whole UTF-8 characters, not
+        ending in U+FFFD, with their text: after text that ends on a whole character, such a
+        token adds exactly that text. None without `token_bytes()`. Computed once per tokenizer."""
+        cached = self.__dict__.get("_byte_tables", _UNSET)
+        if cached is _UNSET:
+            table = self.token_bytes()
+            cached = None if table is None else (table, _whole_texts(table))
+            self._byte_tables = cached
+        return cached
 
     # --- shared -----------------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ class Router:
         self.names, self.info = served_model(settings, self.tokenizer, lambda: self.pool.decode_capacity())
         name = self.info.name
         self.token_strings = TokenStrings(self.tokenizer)
+        self.tokenizer.byte_tables()  # built now, not on the first stream (tens of ms for a large vocabulary)
         self.grammar_cost = grammar_cost(settings, self.tokenizer)
         # the router's other processes (--processes N): their admissions, loads, ejections and
         # /metrics, or nobody's with one process; chosen once (services/router/load_view.py)

@@ -76,8 +76,9 @@ async def first_of(futures: set[asyncio.Future], until: float) -> None:
     FIRST_COMPLETED with a deadline, for one caller, with one waiter and one timer and no sets
     (it runs for every chunk of every stream)."""
     loop = asyncio.get_running_loop()
-    if any(f.done() for f in futures):
-        return
+    for f in futures:
+        if f.done():
+            return
     waiter = loop.create_future()
 
     def wake(_=None) -> None:
@@ -172,11 +173,12 @@ class Attempt:
         while True:
             if self._read is None:
                 self._read = asyncio.ensure_future(self._decode_call.read())
-            waits = {self._read, self._ejected}
-            if not self.got_first and not self._prefill_task.done():
-                waits.add(self._prefill_task)
             stall_at = self._last_heard + self.stall_timeout
-            await first_of(waits, stall_at)
+            if not self._read.done():  # a chunk already in hand is taken without waiting on anything
+                waits = {self._read, self._ejected}
+                if not self.got_first and not self._prefill_task.done():
+                    waits.add(self._prefill_task)
+                await first_of(waits, stall_at)
             if self._read.done():
                 read, self._read = self._read, None
                 if read.cancelled() or read.exception() is not None:

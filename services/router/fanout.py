@@ -14,6 +14,7 @@ migration is an ordinary attempt, without the key.
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from services.router.attempt import Chunk
@@ -35,21 +36,30 @@ class FanIn:
         self.on_overflow: Callable[[], None] | None = None
         self.buffered = 0  # tokens queued for the caller
         self._overflowed = False
-        self._queue: asyncio.Queue = asyncio.Queue()
+        # (index, chunk, exception) for the one reader; asyncio.Queue's waiter list and
+        # bookkeeping cost more per chunk than a deque and one waiter
+        self._items: collections.deque = collections.deque()
+        self._waiter: asyncio.Future | None = None
         self._tasks = [asyncio.ensure_future(self._pump(i, g)) for i, g in enumerate(gens)]
+
+    def _put(self, item: tuple[int, Chunk | None, BaseException | None]) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def _pump(self, index: int, gen: AsyncIterator[Chunk]) -> None:
         try:
             async for chunk in gen:
-                self._queue.put_nowait((index, chunk, None))
+                self._put((index, chunk, None))
                 self.buffered += len(chunk.token_ids)
                 if self.max_buffered is not None and self.buffered > self.max_buffered:
                     self._overflow()
-            self._queue.put_nowait((index, None, None))
+            self._put((index, None, None))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - APIError or a bug: the reader re-raises it
-            self._queue.put_nowait((index, None, e))
+            self._put((index, None, e))
 
     def _overflow(self) -> None:
         if not self._overflowed and self.on_overflow is not None:
@@ -66,15 +76,17 @@ class FanIn:
     async def next(self) -> tuple[int, Chunk | None]:
         """(choice index, its next chunk), or (index, None) when that choice's stream ended.
         Raises what a choice's generator raised (an APIError)."""
-        return self._got(*await self._queue.get())
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._got(*self._items.popleft())
 
     def next_nowait(self) -> tuple[int, Chunk | None] | None:
         """As next(), for a chunk already queued; None when nothing is (the caller then awaits next())."""
-        try:
-            got = self._queue.get_nowait()
-        except asyncio.QueueEmpty:
-            return None
-        return self._got(*got)
+        return self._got(*self._items.popleft()) if self._items else None
 
     async def close(self, index: int | None = None) -> None:
         """Stop one choice (a stop string ended it: its Decode RPC is cancelled) or all of them.

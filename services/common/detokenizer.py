@@ -80,6 +80,12 @@ class IncrementalDetokenizer:
         """Nothing is held back and the context's bytes are whole UTF-8 characters."""
         if self._bytes is None or self._read_offset != len(self._ids):
             return False
+        whole = self._whole
+        for token_id in self._ids:  # whole tokens, joined, are whole: most contexts end here
+            if token_id not in whole:  # type: ignore[operator]
+                break
+        else:
+            return True
         try:
             b"".join([self._bytes[i] for i in self._ids[self._prefix_offset:]]).decode("utf-8")
         except (KeyError, UnicodeDecodeError):

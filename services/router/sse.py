@@ -121,7 +121,12 @@ class SSEResponse(Response):
         async def pump() -> None:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async for data in self.events:
-                await send({"type": "http.response.body", "body": data, "more_body": True})
+                # the events that end with [DONE] are the stream's last: the body's end goes out
+                # in the same write (an event's JSON escapes newlines, so no other can end so)
+                last = data.endswith(DONE)
+                await send({"type": "http.response.body", "body": data, "more_body": not last})
+                if last:
+                    return
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         with self.bind():

@@ -80,14 +80,15 @@ class IncrementalDetokenizer:
         """Nothing is held back and the context's bytes are whole UTF-8 characters."""
         if self._bytes is None or self._read_offset != len(self._ids):
             return False
+        context = self._ids  # all of it: after every emit (and at the start) _prefix_offset is 0
         whole = self._whole
-        for token_id in self._ids:  # whole tokens, joined, are whole: most contexts end here
+        for token_id in context:  # whole tokens, joined, are whole: most contexts end here
             if token_id not in whole:  # type: ignore[operator]
                 break
         else:
             return True
         try:
-            b"".join([self._bytes[i] for i in self._ids[self._prefix_offset:]]).decode("utf-8")
+            b"".join([self._bytes[i] for i in context]).decode("utf-8")
         except (KeyError, UnicodeDecodeError):
             return False  # a special or added token, or a character cut in two
         return True

@@ -16,7 +16,8 @@ is logged loudly at start so nobody runs a faulty worker by accident.
                           --kv-read-timeout (as a READ from a frozen decode does)
   corrupt_kv_read         decode offers its held prefix pages with a wrong checksum for the last
                           one, so prefill's READ (which always takes the last) fails verification
-  sigstop_after_attach    decode freezes itself (SIGSTOP) right after its first attach
+  sigstop_after_attach    decode freezes itself (SIGSTOP) right after its first attach (when
+                          the Attach reply is handled, or when the KV arrives if that is first)
   sigstop_after_held_attach
                           decode freezes itself right after its first attach that offers held
                           prefix pages for prefill to READ (a freeze between offer and READ)

@@ -127,6 +127,13 @@ class Admission:
             return
         if job.phase is Phase.ATTACHING:  # the KV may already have arrived (RUNNING)
             job.phase = Phase.AWAITING_KV
+        self.freeze_if_injected(job)
+
+    def freeze_if_injected(self, job: Job) -> None:
+        """The sigstop_after_*attach faults: freeze once, after an attach has gone out. Called when
+        the Attach reply is handled and again when the KV arrives, because on a busy box the KV
+        (a cached prompt needs almost no prefill) can arrive and the job finish before the reply
+        is handled; checking only there let such a request succeed with the fault never fired."""
         f = self.worker.faults
         if (f.sigstop_after_attach or (f.sigstop_after_held_attach and job.offered_pages)) and not self._froze_once:
             self._froze_once = True

@@ -235,6 +235,7 @@ class DecodeWorker:
                               prefill=job.prefill_addr, pages=job.pages)
             self.fail(job, reason or "KV transfer failed", code)
             return
+        self.admission.freeze_if_injected(job)
         job.phase = Phase.RUNNING
         job.usage_cached_tokens = row.cached_tokens
         self.emit(job, row.token, row.logprob)

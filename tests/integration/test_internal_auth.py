@@ -20,13 +20,15 @@ TOKEN = "right-token-0123456789abcdef"
 
 
 def test_a_worker_on_a_wildcard_address_without_a_token_refuses_to_start(mesh: Mesh):
-    for role in ("prefill", "decode"):
-        proc = mesh.start_worker(role, "--host", "0.0.0.0", wait=False)
+    # all four side by side: each start is mostly imports, and they do not depend on each other
+    refused = [mesh.start_worker(role, "--host", "0.0.0.0", wait=False) for role in ("prefill", "decode")]
+    allowed = mesh.start_decode("--host", "0.0.0.0", "--allow-insecure-bind", "true", wait=False)
+    with_token = mesh.start_prefill("--host", "0.0.0.0", env={"PDMESH_INTERNAL_TOKEN": TOKEN}, wait=False)
+    for proc in refused:
         assert proc.popen.wait(timeout=60) == EXIT_CONFIG
         assert "refusing to listen on '0.0.0.0' without an internal token" in proc.log()
-    allowed = mesh.start_decode("--host", "0.0.0.0", "--allow-insecure-bind", "true")
+    mesh.wait_all_healthy([allowed, with_token])
     assert allowed.alive() and "WITHOUT an internal token" in allowed.log()
-    with_token = mesh.start_prefill("--host", "0.0.0.0", env={"PDMESH_INTERNAL_TOKEN": TOKEN})
     assert with_token.alive()
 
 

@@ -22,8 +22,8 @@ from tests.integration.mesh import wait_for
 
 pytestmark = pytest.mark.integration
 
-STEP = 0.2  # seconds per decode forward (delay_forward): 80 tokens take ~16 s
-TOKENS = 80
+STEP = 0.2  # seconds per decode forward (delay_forward): 40 tokens take ~8 s, well past the 2 s below
+TOKENS = 40
 
 
 def test_a_stopping_decode_finishes_its_stream_and_refuses_new_ones(mesh):
@@ -61,7 +61,7 @@ def test_a_stopping_decode_finishes_its_stream_and_refuses_new_ones(mesh):
 
 def test_a_stream_longer_than_the_drain_migrates_off_a_stopping_decode(mesh):
     """Through the router: a decode stopped mid-stream with a 1 s --drain-timeout cannot finish a
-    ~12 s stream. The stream moves to the other decode — the router ejects the NOT_SERVING decode
+    ~6 s stream. The stream moves to the other decode — the router ejects the NOT_SERVING decode
     and migrates what it runs there, or the drain's end cuts it and the router migrates then —
     and the client sees one unbroken stream with the uninterrupted text."""
     drain = ("--faults", "delay_forward=0.15", "--drain-timeout", "1")

@@ -23,6 +23,10 @@ pytestmark = pytest.mark.timeout(60)
 PROMPT = "hi"
 PROMPT_LEN = len(BuiltinTokenizer().encode(PROMPT))  # what the fake decode sees (bos included)
 
+# what next() waits on differs by carrier: the lane's own read future, or a task per read (one RPC
+# per call, --worker-lane false); a stall or an ejection must end the wait on both
+CARRIERS = pytest.mark.parametrize("lane", [True, False], ids=["lane", "rpc"])
+
 
 @pytest.fixture
 def make():
@@ -100,8 +104,9 @@ def test_stop_string_spanning_the_migration_point(make):
     c.all_rpcs_ended()
 
 
-def test_silent_decode_mid_stream_is_a_stall_and_migrates(make):
-    c = make(n_decode=2, stream_stall_timeout=0.4, health_check_interval=30)  # only the stall rule can act
+@CARRIERS
+def test_silent_decode_mid_stream_is_a_stall_and_migrates(make, lane):
+    c = make(n_decode=2, stream_stall_timeout=0.4, health_check_interval=30, worker_lane=lane)  # only the stall rule can act
     c.decodes[0].behaviour = Behaviour(mode="hang_after", after=3)
     t0 = time.monotonic()
     text, _ = stream_text(c, max_tokens=8)
@@ -111,8 +116,9 @@ def test_silent_decode_mid_stream_is_a_stall_and_migrates(make):
     assert c.metric("pdmesh:router_migrations_total", reason="decode_stalled") == 1
 
 
-def test_ejected_decode_mid_stream_migrates_at_once(make):
-    c = make(n_decode=2, stream_stall_timeout=30)
+@CARRIERS
+def test_ejected_decode_mid_stream_migrates_at_once(make, lane):
+    c = make(n_decode=2, stream_stall_timeout=30, worker_lane=lane)
     d0 = c.decodes[0]
     d0.behaviour = Behaviour(mode="hang_after", after=3)
     with httpx.Client(timeout=10) as client:
@@ -145,8 +151,9 @@ def test_migrations_are_bounded(make):
 # --- fail-over before the first byte ----------------------------------------------------------------
 
 
-def test_ejected_decode_before_first_token_fails_over_at_once(make):
-    c = make(n_decode=2, stream_stall_timeout=30)
+@CARRIERS
+def test_ejected_decode_before_first_token_fails_over_at_once(make, lane):
+    c = make(n_decode=2, stream_stall_timeout=30, worker_lane=lane)
     d0, d1 = c.decodes
     d0.behaviour = Behaviour(mode="hang")
     t0 = time.monotonic()
@@ -163,8 +170,9 @@ def test_ejected_decode_before_first_token_fails_over_at_once(make):
     c.all_rpcs_ended()
 
 
-def test_silent_decode_before_first_token_fails_over(make):
-    c = make(n_decode=2, stream_stall_timeout=0.4, health_check_interval=30)
+@CARRIERS
+def test_silent_decode_before_first_token_fails_over(make, lane):
+    c = make(n_decode=2, stream_stall_timeout=0.4, health_check_interval=30, worker_lane=lane)
     c.decodes[0].behaviour = Behaviour(mode="hang")
     t0 = time.monotonic()
     r = post(c, "/v1/completions", completion(prompt=PROMPT))

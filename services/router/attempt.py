@@ -71,9 +71,29 @@ def rpc_failure(worker: WorkerHandle, exc: BaseException) -> WorkerFailure:
     return WorkerFailure(worker, None, repr(exc))
 
 
-# what a wake-up of next() (an ejection, a failed prefill, the stall timer) sets on the read future
-# it waits on, when that future is the lane's own (Attempt._wait)
-_WOKEN = object()
+async def first_of(futures: set[asyncio.Future], until: float) -> None:
+    """Return once one of `futures` is done or the loop's clock reaches `until`: asyncio.wait's
+    FIRST_COMPLETED with a deadline, for one caller, with one waiter and one timer and no sets
+    (it runs for every chunk of every stream)."""
+    loop = asyncio.get_running_loop()
+    for f in futures:
+        if f.done():
+            return
+    waiter = loop.create_future()
+
+    def wake(_=None) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    for f in futures:
+        f.add_done_callback(wake)
+    timer = loop.call_at(until, wake)
+    try:
+        await waiter
+    finally:
+        timer.cancel()
+        for f in futures:
+            f.remove_done_callback(wake)
 
 
 class Attempt:
@@ -118,41 +138,17 @@ class Attempt:
         self._prefill_task = asyncio.ensure_future(self._run_prefill())
         self._prefill_task.add_done_callback(self._prefill_done)
         self._read: asyncio.Future | None = None
-        # What ends a wait in next(): its read, the prefill task (before the first token), an
-        # ejection, the stall timer. The last three are hooked once per attempt and call _wake(),
-        # which completes the one future next() awaits (_wait): nothing is built or torn down per
-        # wait, as asyncio.wait would, and next() runs for every chunk of every stream. A wake-up
-        # with nothing to do only goes round the loop again.
-        self._waiter: asyncio.Future | None = None
         self._down: set[WorkerHandle] = set()  # this attempt's workers the pool has ejected
-        self._ejected: asyncio.Future = loop.create_future()  # done when _down grows
+        self._ejected: asyncio.Future = loop.create_future()  # wakes next() when _down grows
         self._unwatch = pool.watch(self._on_ejected)
         self._last_heard = loop.time()  # the stall clock: last chunk of any kind (or the start)
-        # one timer for the attempt's stall clock: when it fires before the clock's end (chunks
-        # came meanwhile) it is set again for that end, so a chunk costs no timer
-        self._stall_timer: asyncio.TimerHandle | None = None
         self.got_first = False  # decode has sent a token: the client may have seen bytes of this attempt
         self._closed = False
 
     async def _run_prefill(self) -> wpb.PrefillReply | None:
         return None if self._prefill_call is None else await self._prefill_call
 
-    def _wake(self, _=None) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(_WOKEN)
-
-    def _stall_check(self) -> None:
-        loop = asyncio.get_running_loop()
-        end = self._last_heard + self.stall_timeout
-        if loop.time() < end:
-            self._stall_timer = loop.call_at(end, self._stall_check)
-        else:
-            self._stall_timer = None
-            self._wake()
-
     def _prefill_done(self, task: asyncio.Task) -> None:
-        self._wake()  # a failed prefill ends a wait for the first token
         if self.prefill is None:
             return
         self.pair.release_prefill()
@@ -170,7 +166,6 @@ class Attempt:
             self._down.add(worker)
             if not self._ejected.done():
                 self._ejected.set_result(None)
-            self._wake()
 
     async def next(self) -> Chunk | None:
         """The next chunk with tokens, or None at the end of the stream. Raises WorkerFailure."""
@@ -178,21 +173,17 @@ class Attempt:
         while True:
             if self._read is None:
                 self._read = asyncio.ensure_future(self._decode_call.read())
-            read = self._read
-            # a chunk already in hand is taken without waiting; so is any other reason to stop
-            # waiting (an ejection, a failed prefill, the stall clock's end), checked below
-            if not (read.done() or self._ejected.done() or loop.time() >= self._last_heard + self.stall_timeout
-                    or (not self.got_first and self._prefill_task.done() and self._prefill_failure() is not None)):
-                if self._stall_timer is None:
-                    self._stall_timer = loop.call_at(self._last_heard + self.stall_timeout, self._stall_check)
-                await self._wait(read)
+            stall_at = self._last_heard + self.stall_timeout
+            if not self._read.done():  # a chunk already in hand is taken without waiting on anything
+                waits = {self._read, self._ejected}
+                if not self.got_first and not self._prefill_task.done():
+                    waits.add(self._prefill_task)
+                await first_of(waits, stall_at)
             if self._read.done():
                 read, self._read = self._read, None
                 if read.cancelled() or read.exception() is not None:
                     raise rpc_failure(self.decode, asyncio.CancelledError() if read.cancelled() else read.exception())
                 msg = read.result()
-                if msg is _WOKEN:
-                    continue  # woken on the read itself: whatever woke it is checked on the way round
                 if msg is grpc.aio.EOF:
                     return None
                 self._last_heard = loop.time()
@@ -223,34 +214,8 @@ class Attempt:
                 if failure is not None:
                     raise failure
                 # prefill replied; decode's first token is on its way (the stall clock still runs)
-            if loop.time() >= self._last_heard + self.stall_timeout:
+            if loop.time() >= stall_at:
                 raise WorkerFailure(self.decode, None, f"no chunk for {self.stall_timeout:g} s", kind="stalled")
-
-    async def _wait(self, read: asyncio.Future) -> None:
-        """Until `read` is done or _wake() is called. A lane's read is a plain future that the lane
-        fills only while it is pending (a chunk for a done one is queued for the next read), so a
-        wake-up completes it with _WOKEN and nothing else is made per wait; another carrier's
-        read (a task) gets a waiter of its own."""
-        if type(read) is asyncio.Future:
-            self._waiter = read
-            try:
-                await read
-            except asyncio.CancelledError:
-                if asyncio.current_task().cancelling():
-                    self._read = None  # this task was cancelled in the wait, not the read
-                    raise
-                # else the read itself was cancelled: next() reads that off the future
-            except Exception:  # noqa: BLE001 - the read's failure: next() reads it off the future
-                pass
-            finally:
-                self._waiter = None
-            return
-        read.add_done_callback(self._wake)
-        self._waiter = asyncio.get_running_loop().create_future()
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
 
     async def _prompt_logprobs(self, msg: wpb.DecodeChunk) -> PromptLogprobs:
         """The prompt's logprobs: colocated, on decode's first chunk; else in prefill's reply, which
@@ -306,9 +271,6 @@ class Attempt:
             return
         self._closed = True
         self._unwatch()
-        if self._stall_timer is not None:
-            self._stall_timer.cancel()
-            self._stall_timer = None
         if self._read is not None and not self._read.done():
             self._read.cancel()
         self._decode_call.cancel()  # no-op when the stream already finished

@@ -28,8 +28,10 @@ def _reads(m: dict[str, float]) -> float:
 
 
 def test_a_decode_frozen_before_the_read_never_holds_prefill(mesh):
+    # delay_forward: round 2's prompt is cached but for one page, so its KV could otherwise land
+    # before decode handles the Attach reply (and freezes) on a loaded machine
     p = mesh.start_prefill("--kv-read-timeout", str(READ_TIMEOUT), "--inflight-timeout", str(INFLIGHT_TIMEOUT),
-                           "--watchdog-interval", "0.5", wait=False)
+                           "--watchdog-interval", "0.5", "--faults", "delay_forward=1", wait=False)
     d = mesh.start_decode("--faults", "sigstop_after_held_attach", wait=False)
     mesh.wait_healthy(p)
     mesh.wait_healthy(d)

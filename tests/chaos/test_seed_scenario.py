@@ -23,7 +23,10 @@ PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 def test_frozen_decode_is_evicted_on_an_idle_prefill(mesh):
     p = mesh.start_prefill(
-        "--inflight-timeout", str(INFLIGHT_TIMEOUT), "--watchdog-interval", str(INTERVAL), wait=False
+        "--inflight-timeout", str(INFLIGHT_TIMEOUT), "--watchdog-interval", str(INTERVAL),
+        # the forward outlasts decode's handling of its Attach reply, so decode is frozen before
+        # the WRITE (on a loaded machine the KV could otherwise land first)
+        "--faults", "delay_forward=1", wait=False,
     )
     d = mesh.start_decode("--faults", "sigstop_after_attach", wait=False)
     mesh.wait_healthy(p)

@@ -127,7 +127,9 @@ def prometheus_factory(tmp_path):
 def test_prometheus_sees_inflight_go_1_then_0_in_the_seed_scenario(mesh, prometheus_factory):
     need_tool("prometheus", "prometheus")
     p = mesh.start_prefill(
-        "--inflight-timeout", str(INFLIGHT_TIMEOUT), "--watchdog-interval", str(WATCHDOG_INTERVAL), wait=False
+        "--inflight-timeout", str(INFLIGHT_TIMEOUT), "--watchdog-interval", str(WATCHDOG_INTERVAL),
+        # decode is frozen before the WRITE: the forward outlasts its handling of the Attach reply
+        "--faults", "delay_forward=1", wait=False,
     )
     d = mesh.start_decode("--faults", "sigstop_after_attach", wait=False)
     mesh.wait_healthy(p)

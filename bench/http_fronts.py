@@ -1,5 +1,8 @@
 """HTTP fronts for the router, side by side in one run: uvicorn + httptools + uvloop (the router's
-today), granian with ASGI, granian with RSGI (its native interface, no ASGI message dicts).
+today), granian with ASGI, granian with RSGI (its native interface, no ASGI message dicts), and
+`raw`: httptools' parser on a bare asyncio protocol under uvloop, with no interface at all (no
+ASGI messages, no request objects, no timeouts or limits) — the least any Python HTTP/1.1 front
+on this stack can cost, so the bound a different front could reach.
 
 Each front serves the same router-shaped handler: read the POST body, parse it as JSON (orjson,
 as the router's codec), build an OpenAI completion (or, with "stream": true, 16 SSE chunks and
@@ -9,13 +12,14 @@ front runs alone on core 0 (`taskset -c 0`), wrk on the other cores with a Lua s
 varies the prompt per request; CPU per request is the server's user + system time over the
 requests wrk completed.
 
-Usage: python bench/http_fronts.py [--seconds 5] [--conns 1,32] [--fronts uvicorn,granian-asgi,granian-rsgi]
+Usage: python bench/http_fronts.py [--seconds 5] [--conns 1,32] [--fronts uvicorn,granian-asgi,granian-rsgi,raw]
 Prints one JSON object; `--check` runs each front for one second at c = 1 (a smoke run).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import pathlib
@@ -25,6 +29,7 @@ import sys
 import tempfile
 import time
 
+import httptools
 import orjson
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -106,7 +111,63 @@ async def rsgi_app(scope, proto):
     proto.response_bytes(200, [("content-type", "application/json")], completion(body))
 
 
+class RawProtocol(asyncio.Protocol):
+    """One connection: httptools parses, the handler answers from on_message_complete, keep-alive
+    as the parser says; each SSE chunk is its own write, as an ASGI `send` each is."""
+
+    def __init__(self) -> None:
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.body: list[bytes] = []
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.transport.close()
+
+    def on_message_begin(self) -> None:
+        self.body = []
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        body, write = b"".join(self.body), self.transport.write
+        keep = self.parser.should_keep_alive()
+        connection = b"keep-alive" if keep else b"close"
+        if b'"stream":true' in body:
+            write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+                  b"transfer-encoding: chunked\r\nconnection: " + connection + b"\r\n\r\n")
+            for c in chunks(body):
+                write(b"%x\r\n%s\r\n" % (len(c), c))
+            write(b"0\r\n\r\n")
+        else:
+            out = completion(body)
+            write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                  b"connection: %s\r\n\r\n%s" % (len(out), connection, out))
+        if not keep:
+            self.transport.close()
+
+
+def serve_raw(port: int) -> None:
+    import uvloop
+
+    async def main() -> None:
+        server = await asyncio.get_running_loop().create_server(RawProtocol, "127.0.0.1", port)
+        async with server:
+            await server.serve_forever()
+
+    uvloop.run(main())
+
+
 def serve(front: str, port: int) -> None:
+    if front == "raw":
+        serve_raw(port)
+        return
     if front == "uvicorn":
         import uvicorn
 
@@ -118,6 +179,11 @@ def serve(front: str, port: int) -> None:
     interface = front.split("-", 1)[1]
     Granian(f"bench.http_fronts:{interface}_app", address="127.0.0.1", port=port, interface=interface,
             workers=1, runtime_threads=1, loop="uvloop", log_enabled=False, working_dir=ROOT).serve()
+
+
+def start_front(procs: Procs, front: str, port: int, core: str = "0"):
+    """One front serving the handler on `port` in a process of its own (on `core` when pinned)."""
+    return procs.start(front, "bench.http_fronts", ["--serve", front, "--port", str(port)], core)
 
 
 def run_wrk(wrk: str, url: str, script: pathlib.Path, conns: int, seconds: int, core: str) -> dict:
@@ -136,7 +202,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=int, default=5)
     ap.add_argument("--conns", default="1,32")
-    ap.add_argument("--fronts", default="uvicorn,granian-asgi,granian-rsgi")
+    ap.add_argument("--fronts", default="uvicorn,granian-asgi,granian-rsgi,raw")
     ap.add_argument("--check", action="store_true", help="one second per front at c = 1")
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -159,8 +225,7 @@ def main() -> int:
             procs = Procs(tmp, pin=True)
             try:
                 port = free_port()
-                p = procs.start(front, [sys.executable, str(pathlib.Path(__file__).resolve()), "--serve", front,
-                                        "--port", str(port)], "0")
+                p = start_front(procs, front, port)
                 url = f"http://127.0.0.1:{port}/v1/completions"
                 wait_http(url, 30, front, post=b'{"model":"m","prompt":"warm up","max_tokens":1}')
                 row: dict = {}
@@ -168,9 +233,9 @@ def main() -> int:
                     for conns in (int(c) for c in args.conns.split(",")):
                         script = tmp / f"s{int(stream)}.lua"
                         run_wrk(wrk, url, script, conns, 1, others)  # warm-up
-                        cpu0 = tree_cpu_seconds(p.pid)
+                        cpu0 = tree_cpu_seconds(p.popen.pid)
                         res = run_wrk(wrk, url, script, conns, args.seconds, others)
-                        cpu = tree_cpu_seconds(p.pid) - cpu0
+                        cpu = tree_cpu_seconds(p.popen.pid) - cpu0
                         res["cpu_us_per_request"] = round(cpu / max(1, res["requests"]) * 1e6, 1)
                         row[f"{'stream' if stream else 'plain'}_c{conns}"] = res
                 results[front] = row

@@ -82,7 +82,10 @@ def ms(runs: list[dict], key: str) -> dict[str, float]:
 
 def running_decode(router, decodes):
     status = httpx.get(router.http_url + "/health", timeout=5).json()["decode"]
-    return next(d for d in decodes if status[d.grpc_addr]["inflight"] > 0)
+    running = [d for d in decodes if status[d.grpc_addr]["inflight"] > 0]
+    if not running:
+        sys.exit("no decode is running the request at the kill point: it finished first (give a longer --tail)")
+    return running[0]
 
 
 def main(argv=None) -> None:

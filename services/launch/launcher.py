@@ -17,7 +17,9 @@ Or step by step, as the tests and benches that kill, pause and restart processes
     launcher.stop()
 
 Each process writes to a log file of its own under `log_dir` (a restarted one gets a new one),
-or to this terminal when log_dir is None.
+or to this terminal when log_dir is None. A SIGTERM to the launching process raises
+KeyboardInterrupt, as Ctrl-C does, so the `with` or `finally` around a launcher stops its
+processes then too (terminate.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from services.launch.local import Local
 from services.launch.probes import QUEUE_GAUGES, grpc_serving, wait_for
 from services.launch.proc import Proc, service_command, spawn, stop_all
 from services.launch.spec import WORKER_ROLES, MeshSpec
+from services.launch.terminate import interrupt_on_sigterm
 
 
 class Launcher:
@@ -42,6 +45,7 @@ class Launcher:
         self.say = say or (lambda msg: None)  # progress lines (make run prints them)
         self.procs: list[Proc] = []  # every live process this launcher started, in order
         self._spawned = 0
+        interrupt_on_sigterm()  # a SIGTERM then stops what this launcher started (terminate.py)
 
     # -- a whole mesh from the spec
 

@@ -29,13 +29,13 @@ import sys
 import tempfile
 import time
 
-import httptools
 import orjson
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.router_compare import Procs, ensure_wrk, tree_cpu_seconds, wait_http  # noqa: E402
+from services.fakes.raw_http import RawHttpConnection  # noqa: E402
 from services.launch.ports import free_port  # noqa: E402
 
 CHUNKS = 16
@@ -111,32 +111,12 @@ async def rsgi_app(scope, proto):
     proto.response_bytes(200, [("content-type", "application/json")], completion(body))
 
 
-class RawProtocol(asyncio.Protocol):
-    """One connection: httptools parses, the handler answers from on_message_complete, keep-alive
-    as the parser says; each SSE chunk is its own write, as an ASGI `send` each is."""
+class RawProtocol(RawHttpConnection):
+    """One connection: the handler answers each whole request, keep-alive as the parser says; each
+    SSE chunk is its own write, as an ASGI `send` each is."""
 
-    def __init__(self) -> None:
-        self.parser = httptools.HttpRequestParser(self)
-        self.transport: asyncio.Transport | None = None
-        self.body: list[bytes] = []
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            self.transport.close()
-
-    def on_message_begin(self) -> None:
-        self.body = []
-
-    def on_body(self, body: bytes) -> None:
-        self.body.append(body)
-
-    def on_message_complete(self) -> None:
-        body, write = b"".join(self.body), self.transport.write
+    def on_request(self, method: bytes, path: str, body: bytes) -> None:
+        write = self.transport.write
         keep = self.parser.should_keep_alive()
         connection = b"keep-alive" if keep else b"close"
         if b'"stream":true' in body:

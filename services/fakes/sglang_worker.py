@@ -15,7 +15,7 @@ Paths it does not know are answered 200 `{}` and counted; `--log-paths` prints e
 which is how the calls sglang-router makes were found. Raw asyncio + httptools (+ uvloop when
 installed), so the worker costs the router under test as little CPU as possible.
 
-Usage: python services/fakes/sglang_worker.py --port P --role prefill|decode [--log-paths]
+Usage: python -m services.fakes.sglang_worker --port P --role prefill|decode [--log-paths]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import asyncio
 import json
 import sys
 
-import httptools
+from services.fakes.raw_http import RawHttpConnection
 
 MODEL = "pdmesh-tiny"
 INFO = {
@@ -44,46 +44,23 @@ def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
-class FakeSglangConnection(asyncio.Protocol):
+class FakeSglangConnection(RawHttpConnection):
     """One HTTP connection to the fake SGLang worker (an asyncio protocol per client socket)."""
 
     role = "decode"
     log_paths = False
     seen: set[str] = set()
 
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-        self.parser = httptools.HttpRequestParser(self)
-        self.url = b""
-        self.body: list[bytes] = []
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            self.transport.close()
-
-    # httptools callbacks
-    def on_message_begin(self) -> None:
-        self.url, self.body = b"", []
-
-    def on_url(self, url: bytes) -> None:
-        self.url += url
-
-    def on_body(self, body: bytes) -> None:
-        self.body.append(body)
-
-    def on_message_complete(self) -> None:
-        path = self.url.split(b"?", 1)[0].decode()
+    def on_request(self, method: bytes, path: str, body: bytes) -> None:
         if self.log_paths and path not in self.seen:
             self.seen.add(path)
-            print(f"[fake-sglang {self.role}] {self.parser.get_method().decode()} {path}", file=sys.stderr, flush=True)
-        if self.parser.get_method() == b"POST" and path in ("/v1/completions", "/v1/chat/completions", "/generate"):
-            self.generate(path, b"".join(self.body))
+            print(f"[fake-sglang {self.role}] {method.decode()} {path}", file=sys.stderr, flush=True)
+        if method == b"POST" and path in ("/v1/completions", "/v1/chat/completions", "/generate"):
+            self.generate(path, body)
         else:
-            body = json.dumps(INFO if "info" in path else ({"object": "list", "data": [{"id": MODEL}]}
-                                                             if path.startswith("/v1/models") else {})).encode()
-            self.transport.write(_head(200, b"application/json", len(body)) + body)
+            out = json.dumps(INFO if "info" in path else ({"object": "list", "data": [{"id": MODEL}]}
+                                                            if path.startswith("/v1/models") else {})).encode()
+            self.transport.write(_head(200, b"application/json", len(out)) + out)
 
     def generate(self, path: str, raw: bytes) -> None:
         try:

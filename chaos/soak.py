@@ -40,6 +40,7 @@ import httpx
 
 from chaos.soak_conversations import cache_hits, conversation_loop
 from chaos.soak_load import LoadState, client_loop
+from chaos.soak_marks import OtherMarks
 from chaos.soak_plan import CUTS, HOST_KINDS, KINDS, Fault, parse_schedule, plan_faults
 from chaos.soak_verify import check_counts, check_outputs, scrape
 from services.launch.launcher import Launcher
@@ -166,20 +167,21 @@ class Soak:
     def partial_partition(self, f: Fault) -> dict:
         """Cut prefill#index <-> decode#peer only, for f.hold seconds, then heal; meanwhile watch
         the router's pair marks. What it saw: how soon the pair was marked and cleared, any
-        other pair marked during the cut, and what each pair and worker served during it."""
+        other pair marked during the cut (a mark an earlier fault left standing counts only if it
+        cleared and came back), and what each pair and worker served during it."""
         p, d = self.workers["prefill"][f.index], self.workers["decode"][f.peer]
         cut = (p.grpc_addr, d.grpc_addr)
         received = lambda: {w.name: w.metrics().get("pdmesh:num_requests_total", 0.0)  # noqa: E731
                             for w in self.workers["prefill"] + self.workers["decode"]}
         before, log_before = received(), self.router.log()
-        others: set[tuple[str, str]] = set()
+        others = OtherMarks(cut, marked_pairs(self.router.get("/metrics", timeout=2).text))
         marked_at = cleared_at = None
         self.mesh.partition(f.index, f.peer, "both")
         t0 = time.monotonic()
         try:
             while time.monotonic() < t0 + f.hold:
                 marks = marked_pairs(self.router.get("/metrics", timeout=2).text)
-                others |= marks - {cut}
+                others.see(marks)
                 if cut in marks and marked_at is None:
                     marked_at = time.monotonic() - t0
                 time.sleep(0.1)
@@ -201,7 +203,8 @@ class Soak:
             "what": f.describe(), "pair": [p.name, d.name],
             "marked_after_cut_s": None if marked_at is None else round(marked_at, 2),
             "cleared_after_heal_s": None if cleared_at is None else round(cleared_at, 2),
-            "other_pairs_marked": sorted(f"{names.get(a, a)}-{names.get(b, b)}" for a, b in others),
+            "other_pairs_marked": sorted(f"{names.get(a, a)}-{names.get(b, b)}" for a, b in others.marked),
+            "marks_standing_at_cut": sorted(f"{names.get(a, a)}-{names.get(b, b)}" for a, b in others.standing_at_start),
             # attempts that ended with no failure line in the router's log, per pair, during the cut
             "served_per_pair_during_cut": {f"{names.get(a, a)}-{names.get(b, b)}": n
                                            for (a, b), n in sorted(served.items()) if n},

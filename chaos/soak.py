@@ -174,14 +174,14 @@ class Soak:
         received = lambda: {w.name: w.metrics().get("pdmesh:num_requests_total", 0.0)  # noqa: E731
                             for w in self.workers["prefill"] + self.workers["decode"]}
         before, log_before = received(), self.router.log()
-        others = OtherMarks(cut, marked_pairs(self.router.get("/metrics", timeout=2).text))
+        other_marks = OtherMarks(cut, marked_pairs(self.router.get("/metrics", timeout=2).text))
         marked_at = cleared_at = None
         self.mesh.partition(f.index, f.peer, "both")
         t0 = time.monotonic()
         try:
             while time.monotonic() < t0 + f.hold:
                 marks = marked_pairs(self.router.get("/metrics", timeout=2).text)
-                others.see(marks)
+                other_marks.see(marks)
                 if cut in marks and marked_at is None:
                     marked_at = time.monotonic() - t0
                 time.sleep(0.1)
@@ -203,8 +203,8 @@ class Soak:
             "what": f.describe(), "pair": [p.name, d.name],
             "marked_after_cut_s": None if marked_at is None else round(marked_at, 2),
             "cleared_after_heal_s": None if cleared_at is None else round(cleared_at, 2),
-            "other_pairs_marked": sorted(f"{names.get(a, a)}-{names.get(b, b)}" for a, b in others.marked),
-            "marks_standing_at_cut": sorted(f"{names.get(a, a)}-{names.get(b, b)}" for a, b in others.standing_at_start),
+            "other_pairs_marked": sorted(f"{names.get(a, a)}-{names.get(b, b)}" for a, b in other_marks.marked),
+            "marks_standing_at_cut": sorted(f"{names.get(a, a)}-{names.get(b, b)}" for a, b in other_marks.standing_at_start),
             # attempts that ended with no failure line in the router's log, per pair, during the cut
             "served_per_pair_during_cut": {f"{names.get(a, a)}-{names.get(b, b)}": n
                                            for (a, b), n in sorted(served.items()) if n},

@@ -10,7 +10,7 @@ import pytest
 
 from bench.router_compare import Procs
 from services.launch.ports import free_port
-from tests.unit.test_bench_http_fronts import _connect, _post
+from tests.unit.test_bench_http_fronts import connect, post
 
 
 @pytest.mark.parametrize("role", ["decode", "prefill"])
@@ -19,18 +19,18 @@ def test_the_fake_answers_its_routes_on_one_connection(role, tmp_path):
     try:
         port = free_port()
         proc = procs.start("fakes", "services.fakes.sglang_worker", ["--port", str(port), "--role", role], "0")
-        conn = _connect(port, proc, 30)
+        conn = connect(port, proc, 30)
         try:
             conn.request("GET", "/server_info")
             response = conn.getresponse()
             assert response.status == 200 and json.loads(response.read())["served_model_name"] == "pdmesh-tiny"
 
-            response, data = _post(conn, {"model": "pdmesh-tiny", "prompt": "a fox", "max_tokens": 3})
+            response, data = post(conn, {"model": "pdmesh-tiny", "prompt": "a fox", "max_tokens": 3})
             body = json.loads(data)
             assert response.status == 200
             assert body["choices"][0]["text"] == ("aaa" if role == "decode" else "a")
 
-            response, data = _post(conn, {"model": "pdmesh-tiny", "prompt": "a fox", "max_tokens": 3, "stream": True})
+            response, data = post(conn, {"model": "pdmesh-tiny", "prompt": "a fox", "max_tokens": 3, "stream": True})
             events = [e for e in data.decode().split("\n\n") if e]
             tokens = 3 if role == "decode" else 1
             assert events[-1] == "data: [DONE]" and len(events) == tokens + 1, events

@@ -81,9 +81,12 @@ class DecodeWorker:
         return sum(1 for j in self.jobs.values() if j.phase in phases)
 
     def load(self) -> tuple[int, int]:
-        """(queued, running): rooms waiting for pages or KV, or retracted; requests in the batch."""
+        """(queued, running): rooms waiting for pages or KV, or retracted; requests in the batch.
+        A finished job whose pages wait for a forward or an attach to let go is neither: its
+        request is over (the router has its last chunk or failure), and counted it would weigh on
+        this worker in the router's choice as someone else's request until the next report."""
         running = self._count(Phase.RUNNING)
-        return len(self.jobs) - running, running
+        return len(self.jobs) - running - self._count(Phase.FINISHED), running
 
     def is_computing(self, job: Job) -> bool:
         """Whether a forward is computing this job's next token right now (the servicer sends

@@ -91,6 +91,9 @@ class WorkerHandle:
     ejections: int = 0  # times this process ejected it (published, so the other processes probe it at once)
     peer_ejections: int = 0  # the other processes' ejections of it, as last read
     external_load: int = 0  # queued + running on the worker that are not ours (last Load report)
+    # the most of ours in flight there since the Load call now out began (None: no call out); a
+    # report counts ours as of some moment in that call, so what it holds above this is not ours
+    inflight_peak: int | None = None
     capacity_tokens: int = 0  # tokens its KV pool holds (last Load report; 0: not reported)
     max_model_len: int = 0  # its --max-model-len (last Load report; 0: not reported)
     epoch: int = 0  # its start's id (last Load report; 0: not reported yet); a new one: it restarted
@@ -109,6 +112,8 @@ class WorkerHandle:
     def _count_inflight(self, delta: int) -> None:
         # the one place the count changes: a Lease (WorkerPool.reserve) takes and gives it back
         self.inflight += delta
+        if self.inflight_peak is not None and self.inflight > self.inflight_peak:
+            self.inflight_peak = self.inflight
 
 
 def load_of(w: WorkerHandle) -> int:
@@ -343,6 +348,7 @@ class WorkerPool:
         """The worker's load and protocol versions; returns why the router cannot use the worker:
         it refuses the router's internal token, or its protocol version does not fit ("" if fine)."""
         request = wpb.LoadRequest(protocol_version=PROTOCOL_VERSION, min_protocol_version=MIN_PEER_VERSION)
+        w.inflight_peak = w.inflight
         try:
             reply = await w.transport.load(request, self.timeout)
         except grpc.aio.AioRpcError as e:
@@ -359,7 +365,13 @@ class WorkerPool:
                 self._set_incompatible(w, problem)
                 return problem
             return w.incompatible  # keep the last report; load is advisory, health decides admission
-        w.external_load = max(0, reply.queued + reply.running - w.inflight - w.peer_inflight)
+        finally:
+            peak, w.inflight_peak = w.inflight_peak, None
+        # Ours as the worker counted them is at most the most we had there during the call: a
+        # request of ours that ended while the reply was on its way is not someone else's (counted
+        # against our count now, it would weigh on the worker as phantom load until the next report)
+        ours = max(w.inflight, peak or 0)
+        w.external_load = max(0, reply.queued + reply.running - ours - w.peer_inflight)
         w.capacity_tokens = reply.kv_capacity_tokens
         w.max_model_len = reply.max_model_len
         self._note_epoch(w, reply.epoch, reply.prefix_cache_page_size)

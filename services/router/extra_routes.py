@@ -109,7 +109,11 @@ def register(app: FastAPI, router: Any) -> None:
     async def version_route() -> Response:
         return JSONResponse({"version": version()})
 
-    @app.api_route("/ping", methods=["GET", "POST"])
     async def ping() -> Response:
         """Liveness: 200 while the router serves HTTP."""
         return Response(status_code=200)
+
+    # one route per method: one route with both gives both operations the same operationId in
+    # /openapi.json, which OpenAPI client generators refuse
+    for method in ("GET", "POST"):
+        app.add_api_route("/ping", ping, methods=[method], operation_id=f"ping_ping_{method.lower()}")

@@ -290,6 +290,9 @@ def test_openapi_describes_the_openai_endpoints(make):
         assert model in schema["components"]["schemas"]
     assert "messages" in schema["components"]["schemas"]["ChatCompletionRequest"]["required"]
     assert {"/v1/models", "/health"} <= set(schema["paths"])
+    ids = [op["operationId"] for methods in schema["paths"].values() for op in methods.values()]
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)  # client generators need them unique
+    assert set(schema["paths"]["/ping"]) == {"get", "post"}
     docs = httpx.get(c.url + "/docs")
     assert docs.status_code == 200 and "swagger" in docs.text.lower()
     assert MODEL  # the served name the schema's examples refer to

@@ -118,14 +118,17 @@ class Proc:
 
     def kill(self, grace: float = 0.0) -> None:
         """SIGTERM and up to `grace` seconds to exit (with grace > 0), then SIGKILL; returns once
-        it has exited (at most grace + 10 s)."""
+        it has exited (at most grace + 10 s). A stopped process (SIGSTOP) is resumed only to
+        handle the SIGTERM; a kill without grace ends it where it stands: resumed before the
+        SIGKILL, it would run for a moment first, and a frozen decode could finish the very
+        stream it was killed to cut off."""
         if self.alive():
-            try:
-                os.kill(self.popen.pid, signal.SIGCONT)  # a stopped process must run to die cleanly
-            except ProcessLookupError:
-                pass
             if grace > 0:
                 self.popen.terminate()
+                try:
+                    os.kill(self.popen.pid, signal.SIGCONT)  # its SIGTERM already pending when it runs
+                except ProcessLookupError:
+                    pass
                 try:
                     self.popen.wait(timeout=grace)
                 except subprocess.TimeoutExpired:
@@ -141,8 +144,8 @@ def stop_all(procs: list[Proc], grace: float = 0.0) -> None:
     if grace > 0:
         for p in live:
             try:
-                os.kill(p.popen.pid, signal.SIGCONT)
                 p.popen.terminate()
+                os.kill(p.popen.pid, signal.SIGCONT)  # a stopped process must run to handle it
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + grace

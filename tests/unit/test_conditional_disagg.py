@@ -109,7 +109,7 @@ def test_a_held_prompt_goes_local_and_a_failed_local_attempt_goes_pd():
     import grpc
 
     from services.fakes.workers import Behaviour
-    from tests.unit.test_router_app import Cluster, post
+    from tests.unit.test_router_app import Cluster, post, wait_for
 
     c = Cluster()
     try:
@@ -123,8 +123,9 @@ def test_a_held_prompt_goes_local_and_a_failed_local_attempt_goes_pd():
             resp = post(c, "/v1/completions", body)
             assert resp.status_code == 200, resp.text
 
-        send()  # nothing held yet: PD
-        assert len(prefill.seen.requests) == 1 and not decode.seen.requests[-1].colocated
+        send()  # nothing held yet: PD (prefill's call may be read after the response: the fake decode never waits)
+        wait_for(lambda: len(prefill.seen.requests) == 1, 5, "prefill to see the request")
+        assert not decode.seen.requests[-1].colocated
         send()  # decode holds the prompt (and its reply) now: decode alone
         assert len(prefill.seen.requests) == 1
         last = decode.seen.requests[-1]

@@ -179,6 +179,8 @@ def test_completion_json(cluster):
     assert body["choices"][0]["text"] == "Hello" and body["choices"][0]["finish_reason"] == "length"
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8,
                              "prompt_tokens_details": {"cached_tokens": 0}}
+    # the fake decode never waits for prefill: the response can come before prefill's call is read
+    wait_for(lambda: cluster.prefills[0].seen.requests, what="prefill to see the request")
     p, d = cluster.prefills[0].seen.requests[0], cluster.decodes[0].seen.requests[0]
     assert p.room == d.room and d.prefill_addr == cluster.prefills[0].addr
     assert p.params.HasField("seed") and p.params.seed == d.params.seed  # a seed is always sent

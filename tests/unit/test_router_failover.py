@@ -77,7 +77,9 @@ def test_streamed_request_migrates_when_its_decode_fails(make):
     script = c.decodes[0].script
     assert list(moved.token_ids) == [*first.token_ids, *(script[(PROMPT_LEN + i) % len(script)] for i in range(3))]
     assert moved.params.max_tokens == 9 and moved.params.seed == first.params.seed == 7
-    assert c.prefills[0].seen.requests[-1].token_ids == moved.token_ids  # prefill recomputes prompt + generated
+    # prefill recomputes prompt + generated (its call may be read after the response: the fake decode never waits)
+    wait_for(lambda: len(c.prefills[0].seen.requests) == 2, 5, "prefill to see the moved request")
+    assert c.prefills[0].seen.requests[-1].token_ids == moved.token_ids
     c.all_rpcs_ended()
     assert c.metric("pdmesh:router_migrations_total", reason="decode_failed") == 1
     assert c.metric("pdmesh:router_requests_total", status="200") == 1

@@ -9,6 +9,7 @@ import json
 import httpx
 
 from services.common.tokenizer import load_tokenizer
+from services.launch.probes import wait_for
 from tests.unit.test_router_app import MODEL, cluster, cluster_factory  # noqa: F401 - fixtures
 
 TOK = load_tokenizer("builtin-random")
@@ -114,6 +115,8 @@ def test_sampling_fields_reach_both_workers(cluster):  # noqa: F811
             "bad_words": ["lo"]}
     assert httpx.post(cluster.url + "/v1/completions", json=body).status_code == 200
     for worker in (cluster.prefills[0], cluster.decodes[0]):
+        # the fake decode never waits for prefill: the response can come before prefill's call is read
+        wait_for(lambda w=worker: w.seen.requests, 5, f"{worker.role} to see the request")
         p = worker.seen.requests[-1].params
         assert p.min_p == 0.25 and list(p.allowed_token_ids) == [72, 101, 108]
         assert [list(s.token_ids) for s in p.bad_words][0] == TOK.encode("lo", add_special_tokens=False)

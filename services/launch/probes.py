@@ -5,6 +5,7 @@ idle worker."""
 from __future__ import annotations
 
 import json
+import pathlib
 import time
 from collections.abc import Callable
 
@@ -144,3 +145,12 @@ def canary_passes(metrics_text: str, prefill: str, decode: str) -> float:
     """Passing canaries a router's /metrics counts on the pair (prefill, decode) (gRPC addresses)."""
     return sum(v for lb, v in labelled_samples(metrics_text, "pdmesh:canary_requests_total")
                if (lb["prefill"], lb["decode"], lb["result"]) == (prefill, decode, "pass"))
+
+
+def process_state(pid: int) -> str | None:
+    """The process's state letter from /proc (R, S, T stopped, Z exited but not reaped, ...);
+    None once it is gone."""
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None

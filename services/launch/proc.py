@@ -116,6 +116,14 @@ class Proc:
     def cont(self) -> None:
         os.kill(self.popen.pid, signal.SIGCONT)
 
+    def terminate(self) -> None:
+        """SIGTERM, then SIGCONT: a stopped process runs again with its SIGTERM already pending."""
+        try:
+            self.popen.terminate()
+            os.kill(self.popen.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
     def kill(self, grace: float = 0.0) -> None:
         """SIGTERM and up to `grace` seconds to exit (with grace > 0), then SIGKILL; returns once
         it has exited (at most grace + 10 s). A stopped process (SIGSTOP) is resumed only to
@@ -124,11 +132,7 @@ class Proc:
         stream it was killed to cut off."""
         if self.alive():
             if grace > 0:
-                self.popen.terminate()
-                try:
-                    os.kill(self.popen.pid, signal.SIGCONT)  # its SIGTERM already pending when it runs
-                except ProcessLookupError:
-                    pass
+                self.terminate()
                 try:
                     self.popen.wait(timeout=grace)
                 except subprocess.TimeoutExpired:
@@ -143,11 +147,7 @@ def stop_all(procs: list[Proc], grace: float = 0.0) -> None:
     live = [p for p in procs if p.alive()]
     if grace > 0:
         for p in live:
-            try:
-                p.popen.terminate()
-                os.kill(p.popen.pid, signal.SIGCONT)  # a stopped process must run to handle it
-            except ProcessLookupError:
-                pass
+            p.terminate()
         deadline = time.monotonic() + grace
         for p in live:
             try:

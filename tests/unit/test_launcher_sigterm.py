@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+from services.launch.probes import process_state
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # a bench's shape: a launcher, a long-lived child, the stop in a finally
@@ -30,11 +32,7 @@ finally:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
+    return process_state(pid) not in (None, "Z")
 
 
 def test_sigterm_to_the_launching_process_stops_its_children(tmp_path):

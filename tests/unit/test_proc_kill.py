@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from services.launch.probes import wait_for
+from services.launch.probes import process_state, wait_for
 from services.launch.proc import Proc
 
 pytestmark = pytest.mark.timeout(30)
@@ -37,8 +37,7 @@ def _stopped_child(tmp_path: pathlib.Path) -> tuple[Proc, pathlib.Path]:
     wait_for(lambda: out.exists() and out.read_text() == "ready", 10, "the child to start")
     proc = Proc("fakes", popen, None, 0)
     proc.stop()
-    wait_for(lambda: pathlib.Path(f"/proc/{popen.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T",
-             5, "the child to stop")
+    wait_for(lambda: process_state(popen.pid) == "T", 5, "the child to stop")
     return proc, out
 
 

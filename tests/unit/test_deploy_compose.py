@@ -223,6 +223,32 @@ def test_env_file_is_valid_for_sh_and_compose_and_names_only_real_flags():
     assert {k: sourced.get(k) for k in env} == env
 
 
+# The deployments' deliberate departures from a flag's default, and why. Any other value in
+# pdmesh.env equals the default, so what the README and --help promise is what compose, k8s and
+# `make run` run (a stale copy of an old default once kept cache-aware routing off everywhere).
+DEPLOYED_NOT_DEFAULT = {
+    "PDMESH_LOG_FORMAT": "json",  # collected by a log pipeline, never a terminal
+    "PDMESH_CANARY_INTERVAL": "30",  # a serving mesh probes its pairs; a bare process does not
+}
+
+
+def test_env_file_values_are_the_flag_defaults_unless_declared():
+    env = {k: v for k, v in read_env_file().items() if k.startswith("PDMESH_")}
+    for k, v in env.items():
+        if k in DEPLOYED_NOT_DEFAULT:
+            assert v == DEPLOYED_NOT_DEFAULT[k], f"pdmesh.env {k}={v!r}, declared {DEPLOYED_NOT_DEFAULT[k]!r}"
+            continue
+        if v == "":  # the file's rule: empty is the flag's default
+            continue
+        for role in ROLES:
+            for flag in ROLE_FLAGS[role]:
+                if flag.env == k:
+                    assert flag.type(v) == flag.default, (
+                        f"pdmesh.env {k}={v!r} but {role}'s --{flag.name} defaults to {flag.default!r}: "
+                        "use the default, or declare the departure in DEPLOYED_NOT_DEFAULT"
+                    )
+
+
 # --- docker-compose.yml -------------------------------------------------------------------------
 
 

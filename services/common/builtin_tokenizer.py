@@ -40,17 +40,28 @@ def chat_template(name: str) -> str:
     """`<|role|>content<|end|>` per message, `<|assistant|>` to prompt a reply. Content may also be
     a list of OpenAI content parts; their text parts are joined. `name` names the template in the
     error a message of another role raises. The trained `builtin` model (scripts/train_builtin.py)
-    ships this template too, under its own name."""
+    ships this template too, under its own name.
+
+    Tool conversations render without new tokens: an assistant's `tool_calls` follow its content as
+    `{"name": ..., "parameters": ...}` joined by "; " (the very text a forced call generates, see
+    services/router/tool_parsers.py's llama3_json format, so the next round's prompt repeats the
+    reply token for token and hits the cache), and a `tool` message is a user turn saying it holds a
+    tool's result."""
     return (
         "{{ bos_token }}"
         "{% for message in messages %}"
-        "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-        "{{ raise_exception('" + name + " chat template accepts roles system, user and assistant, not ' + message['role']) }}"
+        "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+        "{{ raise_exception('" + name + " chat template accepts roles system, user, assistant and tool, not ' + message['role']) }}"
         "{% endif %}"
-        "{{ '<|' + message['role'] + '|>' }}"
+        "{% if message['role'] == 'tool' %}{{ '<|user|>Tool result: ' }}"
+        "{% else %}{{ '<|' + message['role'] + '|>' }}{% endif %}"
         "{% if message['content'] is string %}{{ message['content'] }}"
         "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
         "{% endif %}"
+        "{% if message['role'] == 'assistant' and message['tool_calls'] %}"
+        "{% for call in message['tool_calls'] %}{% if not loop.first %}{{ '; ' }}{% endif %}"
+        "{{ '{\"name\": ' + call['function']['name'] | tojson + ', \"parameters\": ' + call['function']['arguments'] | tojson + '}' }}"
+        "{% endfor %}{% endif %}"
         "{{ '<|end|>' }}"
         "{% endfor %}"
         "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"

@@ -6,11 +6,14 @@
   reply, and the mean and median over 16 seeds at the README's temperature 1;
 - greedy output through the router equals transformers' `generate` on the same folder;
 - held-out perplexity through the router (prefill → NIXL → decode) equals transformers' on the
-  same tokens. The API has no prompt logprobs (echo + logprobs is refused), so each position k is
-  one completion of the prompt ids[:k] with logit_bias +100 on ids[k]: its first token (sampled
-  by prefill) is then ids[k], and its logprob, reported under the raw logits, is the
-  teacher-forced score of ids[k]; the second token is computed by decode from the KV that
-  crossed over NIXL, and its logprob is checked against transformers' too.
+  same tokens, twice: once from prompt logprobs (echo + logprobs, what lm-eval sends; prefill
+  alone computes them), and once position by position so that decode takes part: each position k
+  is one completion of the prompt ids[:k] with logit_bias +100 on ids[k], whose first token
+  (sampled by prefill) is then ids[k] with its logprob reported under the raw logits (the
+  teacher-forced score of ids[k]); the second token is computed by decode from the KV that
+  crossed over NIXL, and its logprob is checked against transformers' too;
+- an agent's tool round trip with the openai SDK: a forced call, the tool's result sent back,
+  the next round answered, its prompt repeating the call's text and reusing round one's KV.
 
 Every wait is bounded; the scenario ends with the invariants (queues empty, KV pools whole).
 """
@@ -240,6 +243,11 @@ def test_held_out_perplexity_through_the_mesh_equals_transformers(run):
             return await asyncio.gather(*(one(k) for k in range(1, len(ids))))
 
     choices = asyncio.run(score_all())
+    echoed = post(router, "/v1/completions", {"model": "pdmesh-tiny", "prompt": ids, "max_tokens": 1,
+                                               "echo": True, "logprobs": 0, "temperature": 0})
+    prompt_lp = echoed["choices"][0]["logprobs"]["token_logprobs"][: len(ids)]
+    assert prompt_lp[0] is None
+    assert max(abs(a - b) for a, b in zip(prompt_lp[1:], ref_first, strict=True)) < 2e-3
     tok = load_tokenizer(None)
     for k, choice in enumerate(choices, start=1):
         assert choice["text"] == tok.decode([ids[k], ids[k]]), (k, choice)
@@ -251,4 +259,41 @@ def test_held_out_perplexity_through_the_mesh_equals_transformers(run):
     assert max(abs(a - b) for a, b in zip(first, ref_first, strict=True)) < 2e-3
     assert max(abs(a - b) for a, b in zip(second, ref_second, strict=True)) < 2e-3
     assert abs(ppl_mesh - ppl_ref) / ppl_ref < 1e-3
+    m.assert_invariants()
+
+
+def test_tool_round_trip_with_the_openai_sdk(run):
+    """A forced call on the built-in model (its template teaches no format; the grammar forces
+    JSON), then the assistant's call and the tool's result sent back: the next round is answered,
+    its prompt repeats the call as the model wrote it, and round one's KV is reused."""
+    openai = pytest.importorskip("openai")
+    m, _ = run
+    router = m.procs[2]
+    client = openai.OpenAI(base_url=router.http_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Lima"]}},
+        "required": ["city"], "additionalProperties": False}}}]
+    messages = [{"role": "user", "content": "What is the weather like in Paris? " * 8}]
+    first = client.chat.completions.create(
+        model="pdmesh-tiny", messages=messages, tools=tools, max_tokens=40, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Lima")
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 degrees"}]
+    second = client.chat.completions.create(model="pdmesh-tiny", messages=messages, tools=tools,
+                                            tool_choice="none", max_tokens=8, temperature=0)
+    assert second.choices[0].message.content and second.choices[0].message.tool_calls is None
+    rendered = post(router, "/tokenize", {"model": "pdmesh-tiny", "messages": messages,
+                                          "add_generation_prompt": True})
+    text = load_tokenizer(None).decode(rendered["tokens"], skip_special_tokens=False)
+    assert ('<|assistant|>{"name": "get_weather", "parameters": ' + call.function.arguments + "}<|end|>"
+            "<|user|>Tool result: sunny, 21 degrees<|end|><|assistant|>") in text
+    assert second.usage.prompt_tokens == rendered["count"]
+    # the decode kept round one, prompt and reply: the cache reaches past round one's prompt into
+    # the call (the rendered call re-encodes to the tokens generated: greedy, canonical JSON)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached > first.usage.prompt_tokens, (cached, first.usage)
     m.assert_invariants()

@@ -58,3 +58,21 @@ def test_default_tokenizer_equals_transformers():
                                                                      tokenize=False)
     assert ours.apply_chat_template(chat) == "<|bos|><|user|>Hello!<|end|><|assistant|>"
     assert [ours.is_special(i) for i in range(256)] == [False] * 256
+
+
+def test_shipped_chat_template_is_the_builtin_one_and_transformers_renders_tool_turns_alike():
+    from services.common.builtin_tokenizer import chat_template
+
+    assert (BUILTIN_MODEL_DIR / "chat_template.jinja").read_text(encoding="utf-8") == chat_template("the pdmesh-tiny")
+    transformers = pytest.importorskip("transformers")
+    ref = transformers.AutoTokenizer.from_pretrained(BUILTIN_MODEL_DIR)
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    ours = load_tokenizer(None).apply_chat_template(chat)
+    assert ours == ref.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert '<|assistant|>{"name": "get_weather", "parameters": {"city": "Paris"}}<|end|>' in ours

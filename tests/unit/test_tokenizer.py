@@ -77,6 +77,30 @@ def test_builtin_special_token_strings_map_to_their_ids(builtin: Tokenizer) -> N
     assert builtin.decode(ids) == "aé<|nope|>"
 
 
+def test_builtin_chat_template_renders_tool_calls_as_the_forced_call_text(builtin: Tokenizer) -> None:
+    """An agent's round trip: the assistant's calls come back as the text a forced call generates
+    ({"name", "parameters"} joined by "; "), the tool's result as a user turn."""
+    chat = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+            {"id": "call_2", "type": "function", "function": {"name": "clock", "arguments": {}}},
+        ]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "call_2", "content": [{"type": "text", "text": "noon"}]},
+    ]
+    assert builtin.apply_chat_template(chat) == (
+        '<|bos|><|user|>Weather?<|end|><|assistant|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+        '{"name": "clock", "parameters": {}}<|end|><|user|>Tool result: sunny<|end|>'
+        "<|user|>Tool result: noon<|end|><|assistant|>"
+    )
+    spoken = [{"role": "assistant", "content": "Let me look.", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"q": "é"}}}]}]
+    assert builtin.apply_chat_template(spoken, add_generation_prompt=False) == (
+        '<|bos|><|assistant|>Let me look.{"name": "f", "parameters": {"q": "é"}}<|end|>'
+    )
+
+
 def test_builtin_decode_rejects_ids_outside_vocabulary(builtin: Tokenizer) -> None:
     with pytest.raises(ValueError, match="264"):
         builtin.decode([1, 264])
@@ -105,8 +129,8 @@ def test_builtin_chat_template_accepts_content_parts_and_rejects_unknown_roles(b
         }
     ]
     assert builtin.apply_chat_template(parts) == "<|bos|><|user|>ab<|end|><|assistant|>"
-    with pytest.raises(ChatTemplateError, match="roles system, user and assistant"):
-        builtin.apply_chat_template([{"role": "tool", "content": "x"}])
+    with pytest.raises(ChatTemplateError, match="roles system, user, assistant and tool, not ipython"):
+        builtin.apply_chat_template([{"role": "ipython", "content": "x"}])
     with pytest.raises(ChatTemplateError, match="empty"):
         builtin.apply_chat_template([])
     # A tool-calling assistant turn has content None; it renders as empty content.

@@ -80,6 +80,15 @@ def test_chat_content_parts_and_developer_role():
                                                {"role": "user", "content": "a\nb"}])
 
 
+def test_chat_tool_turns_are_rendered_by_the_template():
+    turns = [{"role": "user", "content": "w?"},
+             {"role": "assistant", "content": None,
+              "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+             {"role": "tool", "content": "x", "tool_call_id": "c"}]
+    text = bytes(t for t in chat(messages=turns).prompt_ids if t < 256)
+    assert b'{"name": "f", "parameters": {}}' in text and b"Tool result: x" in text
+
+
 def test_sampling_fields():
     spec = completion(temperature=0, top_p=0.5, top_k=7, max_tokens=3, stop="x", stop_token_ids=[BUILTIN_EOS_ID],
                       ignore_eos=True, stream=True, stream_options={"include_usage": True}, logprobs=2, user="u",
@@ -182,7 +191,6 @@ def test_completion_bad_inputs(kw, param):
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
          "messages[0].content[0].type"),
-        ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "c"}]}, "messages"),  # the built-in template refuses it
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"max_tokens": 100}, "max_tokens"),

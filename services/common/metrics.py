@@ -193,7 +193,8 @@ class Metrics:
         self.canary_latency = histogram("canary_latency_seconds", "time a passing canary took, end to end")
         self.router_client_cutoffs = counter(
             "router_client_cutoffs_total",
-            "client connections the router cut off, by reason: header_timeout, body_timeout, "
+            "client connections the router cut off, by reason: header_timeout, header_size (past "
+            "--max-header-bytes), body_timeout, "
             "write_timeout (a response blocked on a client reading nothing), buffer (a stream's client too "
             "far behind), connection_limit (an idle connection closed, or a new one refused, at --max-connections)",
             ("reason",),
@@ -344,7 +345,8 @@ def router_processes_exposition(configured: int, scraped: int) -> bytes:
 # services/router/migration.py's reasons: the decode's stream failed, the pool ejected it, it went
 # silent past --stream-stall-timeout, or its stream ended without a finish reason.
 ROUTER_MIGRATION_REASONS = ("decode_failed", "decode_ejected", "decode_stalled", "stream_ended")
-ROUTER_CUTOFF_REASONS = ("header_timeout", "body_timeout", "write_timeout", "buffer", "connection_limit")
+ROUTER_CUTOFF_REASONS = ("header_timeout", "header_size", "body_timeout", "write_timeout", "buffer",
+                         "connection_limit")
 
 _EVICTION_QUEUES = {"prefill": ("bootstrap", "inflight"), "decode": ("prealloc", "transfer")}
 

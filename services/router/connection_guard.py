@@ -1,14 +1,22 @@
 """Bounds on what one client connection may hold, kept where uvicorn keeps the connection.
 
 uvicorn (httptools) bounds an idle keep-alive connection in time, and nothing else: a connection
-that sends half its headers, or none, stays open forever, and a response to a client that stops
-reading waits forever on flow control (uvicorn's `send` awaits the transport's drain with no
-bound) while the request holds its admission slot and its rooms on the workers. This protocol is
-uvicorn's, with three guards:
+that sends half its headers, or none, stays open forever, headers of any size are buffered whole
+(httptools keeps a header's value until it ends), and a response to a client that stops reading
+waits forever on flow control (uvicorn's `send` awaits the transport's drain with no bound) while
+the request holds its admission slot and its rooms on the workers. This protocol is uvicorn's,
+with four guards:
 
 - **headers in time**: from the connection's opening, and from the first byte of each further
   request on it, the headers must be complete within `header_timeout`; past it the client gets
   408 and the connection is closed.
+- **headers in size**: the bytes received while a request's line and headers are incomplete are
+  counted as they arrive; past `max_header_bytes` the client gets 431, before the parser buffers
+  more. (A read that also ends the previous request is not counted: it may be mostly that
+  request's body. So a client can exceed the bound by at most one read, 256 KiB.) The connection
+  then closes as nginx's lingering close does: our side shut for writing, what the client still
+  sends read and dropped for `LINGER_SECONDS`, then cut. Closing at once with its bytes unread
+  would reset the connection, and a reset can discard the 431 before the client reads it.
 - **a reader that makes progress**: when the transport's write buffer passes its high-water mark
   (the client reads nothing, or far slower than we write) a `write_timeout` timer starts; the
   buffer draining below the low-water mark stops it. Past it the connection is aborted (not
@@ -59,11 +67,24 @@ _TIMEOUT_BODY = (
 )
 
 
+_TOO_LARGE_RESPONSE = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+    b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
+)
+_TOO_LARGE_BODY = (
+    b'{"error":{"message":"The request line and headers are larger than the limit of %d bytes.",'
+    b'"type":"invalid_request_error","param":null,"code":"request_header_fields_too_large"}}'
+)
+DEFAULT_MAX_HEADER_BYTES = 64 * 1024
+LINGER_SECONDS = 2.0  # how long a refused client's further bytes are read and dropped before the cut
+
+
 @dataclass(frozen=True)
 class ConnectionLimits:
     header_timeout: float
     write_timeout: float
     max_connections: int
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -76,8 +97,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None
         self._write_timer: asyncio.TimerHandle | None = None
+        self._linger_timer: asyncio.TimerHandle | None = None  # set once refused: reads are dropped
         self._idle_since: float | None = time.monotonic()  # None while a request is in progress
         self._aborted = False
+        self._in_headers = True  # the next bytes are (part of) a request line and headers
+        self._header_bytes = 0  # received since those began
+        self._ended_request = False  # a request ended in the read being parsed
 
     # --- connections ----------------------------------------------------------------------------
 
@@ -123,12 +148,41 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.abort()
 
     def _cancel_timers(self) -> None:
-        for timer in (self._header_timer, self._write_timer):
+        for timer in (self._header_timer, self._write_timer, self._linger_timer):
             if timer is not None:
                 timer.cancel()
         self._header_timer = self._write_timer = None
 
     # --- headers --------------------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        if self._linger_timer is not None:
+            return  # refused: what it still sends is dropped unparsed
+        self._ended_request = False
+        super().data_received(data)
+        if self._in_headers and not self._ended_request and not self._aborted:
+            self._header_bytes += len(data)
+            if self._header_bytes > self.limits.max_header_bytes:
+                self._headers_too_large()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._in_headers, self._header_bytes, self._ended_request = True, 0, True
+
+    def _headers_too_large(self) -> None:
+        self.on_cutoff("header_size")
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.abort()  # a response is going out (pipelined): no answer can be written in between
+            return
+        body = _TOO_LARGE_BODY % self.limits.max_header_bytes
+        self.transport.write(_TOO_LARGE_RESPONSE % (len(body), body))
+        self._aborted = True  # no request runs on it any more, and it no longer counts as live
+        self._cancel_timers()
+        self._linger_timer = self.loop.call_later(LINGER_SECONDS, self.transport.abort)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        else:
+            self.transport.close()
 
     def _arm_header_timer(self) -> None:
         if self._header_timer is None and not self._aborted:
@@ -154,6 +208,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._arm_header_timer()
 
     def on_headers_complete(self) -> None:
+        self._in_headers, self._header_bytes = False, 0
         if self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None

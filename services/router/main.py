@@ -52,6 +52,9 @@ def main(argv=None) -> None:
         log.error("--header-timeout, --body-timeout, --client-write-timeout, --keep-alive-timeout, "
                   "--max-body-reads, --max-buffered-tokens and --max-connections must be positive")
         sys.exit(2)
+    if args.max_header_bytes < 1024:
+        log.error("--max-header-bytes must be at least 1024 (a request line and the headers every client sends)")
+        sys.exit(2)
     if args.max_migrations < 0 or args.stream_stall_timeout <= 0:
         log.error("--max-migrations must be 0 or more and --stream-stall-timeout positive")
         sys.exit(2)
@@ -82,7 +85,8 @@ def main(argv=None) -> None:
         settings = replace(settings, process_index=child[0], shared_dir=child[1])
         sockets = [listening_socket(args.host, args.port, reuse_port=True)]
     app = create_app(settings)
-    limits = ConnectionLimits(args.header_timeout, args.client_write_timeout, args.max_connections)
+    limits = ConnectionLimits(args.header_timeout, args.client_write_timeout, args.max_connections,
+                              args.max_header_bytes)
     config = server_config(app, limits, host=args.host, port=args.port,
                            log_level="debug" if args.log_level == "debug" else "warning",
                            keep_alive_timeout=args.keep_alive_timeout, shutdown_timeout=args.shutdown_timeout)

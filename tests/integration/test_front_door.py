@@ -12,6 +12,9 @@ Raw sockets play the clients a well-behaved HTTP library never would:
 - admission counts choices: n above the whole budget is a 400, n that fills it makes the next
   request a 429;
 - a JSON body nested 1,000 deep is a 400 with an OpenAI error body;
+- headers past --max-header-bytes (many of them, one huge value, a huge URL) get 431 with an
+  OpenAI error body as soon as the bound is passed, however much more the client sends; headers
+  under it, and pipelined requests with large bodies on one connection, are served;
 - n > 1 streamed, the client leaving as soon as one choice ends on its stop string: every other
   choice's room is aborted on decode, none decodes on for nobody.
 After each: admission slots all free, queue gauges 0, every KV pool whole (Mesh.assert_invariants).
@@ -21,6 +24,7 @@ One prefill and one decode for the module, and two routers in front of them.
 from __future__ import annotations
 
 import json
+import select
 import socket
 import threading
 import time
@@ -264,6 +268,65 @@ def test_admission_counts_choices(mesh):
 # --- bodies no parser should choke on ----------------------------------------------------------------
 
 
+HEADER_LIMIT = 64 * 1024  # --max-header-bytes' default
+
+
+def send_until_answered(port: int, start: bytes, more) -> tuple[bytes, int]:
+    """Send `start`, then the chunks of `more` until the router answers (or stops taking them);
+    (what the router sent until it closed, bytes sent). Each chunk gives the router up to half a
+    second to answer: a router that buffered everything would let the whole of `more` through."""
+    s = connect(port)
+    sent = 0
+    try:
+        s.sendall(start)
+        for chunk in more:
+            s.sendall(chunk)
+            sent += len(chunk)
+            if select.select([s], [], [], 0.5)[0]:
+                break
+        return answer(s, time.monotonic() + 15), sent
+    except (BrokenPipeError, ConnectionResetError):
+        return answer(s, time.monotonic() + 15), sent
+    finally:
+        s.close()
+
+
+def test_oversized_headers_get_431_and_the_connection_closes(mesh):
+    m, d, r, _ = mesh
+    port = r.http_port
+    before = cutoffs(r, "header_size")
+    line = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n".encode()
+    cases = {
+        "many headers": (line, (b"X-Pad-%d: %s\r\n" % (i, b"a" * 50_000) for i in range(60))),
+        "one huge value": (line + b"X-Pad: ", (b"a" * 50_000 for _ in range(60))),
+        "huge url": (b"GET /health?q=", (b"a" * 50_000 for _ in range(60))),
+    }
+    for name, (start, more) in cases.items():
+        got, sent = send_until_answered(port, start, more)
+        assert got.startswith(b"HTTP/1.1 431 "), (name, got[:200])
+        error = json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]
+        assert error["code"] == "request_header_fields_too_large" and str(HEADER_LIMIT) in error["message"]
+        assert sent < 3_000_000, f"{name}: the router took {sent} bytes before answering"
+    assert cutoffs(r, "header_size") - before == len(cases)
+    # under the bound: served
+    s = connect(port)
+    s.sendall(line + b"X-Pad: " + b"a" * (HEADER_LIMIT - 1024) + b"\r\n\r\n")
+    assert s.recv(64).startswith(b"HTTP/1.1 200 ")
+    s.close()
+    # large bodies, pipelined on one keep-alive connection: body bytes never count as headers
+    body = json.dumps({**NORMAL, "user": "u" * 300_000}).encode()
+    s = connect(port)
+    s.sendall(head(port, len(body)) + body + head(port, len(body)) + body + head(port, len(body)) + body)
+    got = b""
+    deadline = time.monotonic() + 30
+    while got.count(b"HTTP/1.1 ") < 3 and time.monotonic() < deadline:
+        got += s.recv(65536)
+    s.close()
+    assert got.count(b"HTTP/1.1 200 ") == 3, got[:500]
+    normal_request(r)
+    all_free(m, r)
+
+
 def test_deeply_nested_json_is_a_400(mesh):
     m, d, r, _ = mesh
     deep = "[" * 1000 + "]" * 1000
@@ -316,7 +379,7 @@ def test_a_disconnect_as_one_choice_ends_aborts_every_choice(mesh):
     pytest.skip("every choice ended on the same write three times")
 
 
-@pytest.mark.parametrize("flag", ["--header-timeout", "--max-connections"])
+@pytest.mark.parametrize("flag", ["--header-timeout", "--max-connections", "--max-header-bytes"])
 def test_a_bound_that_is_not_positive_is_refused_at_start(flag):
     out = run_service("router", ["--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2", "--log-format", "json",
                                  flag, "0"])

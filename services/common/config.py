@@ -208,8 +208,9 @@ ROUTER_FLAGS = [
          "seconds a connection may take from its first byte (or from opening) to the end of a request's "
          "headers; past it the router answers 408 and closes it"),
     Flag("max-header-bytes", int, 64 * 1024,
-         "largest request line plus headers of one request, in bytes; past it the router answers 431 and "
-         "closes the connection (without a bound they are buffered whole, whatever their size)"),
+         "largest request line plus headers of one request, in bytes, and what a chunked body's framing "
+         "and trailers may add to its content; past it the router answers 431 and closes the connection "
+         "(without a bound they are buffered whole, whatever their size)"),
     Flag("body-timeout", float, 30.0,
          "seconds a request body may take to arrive in full, counted from the end of its headers; past it "
          "408 and the connection is closed (no admission slot is held while a body arrives)"),

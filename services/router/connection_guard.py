@@ -12,11 +12,15 @@ with four guards:
   408 and the connection is closed.
 - **headers in size**: the bytes received while a request's line and headers are incomplete are
   counted as they arrive; past `max_header_bytes` the client gets 431, before the parser buffers
-  more. (A read that also ends the previous request is not counted: it may be mostly that
-  request's body. So a client can exceed the bound by at most one read, 256 KiB.) The connection
-  then closes as nginx's lingering close does: our side shut for writing, what the client still
-  sends read and dropped for `LINGER_SECONDS`, then cut. Closing at once with its bytes unread
-  would reset the connection, and a reset can discard the 431 before the client reads it.
+  more. A chunked body's framing (chunk sizes, extensions, trailers: httptools buffers a trailer's
+  value as it does a header's) is bounded the same way, by `max_header_bytes` beyond the body's
+  own bytes: only chunks of a few bytes each come near it. Trailers are dropped, never merged
+  into the request's headers. (A read in which headers end, or a request ends, is not counted: it
+  may be mostly body. So a client can exceed a bound by at most one read, 256 KiB.) The
+  connection then closes as nginx's lingering close does: our side shut for writing, what the
+  client still sends read and dropped for `LINGER_SECONDS`, then cut. Closing at once with its
+  bytes unread would reset the connection, and a reset can discard the 431 before the client
+  reads it.
 - **a reader that makes progress**: when the transport's write buffer passes its high-water mark
   (the client reads nothing, or far slower than we write) a `write_timeout` timer starts; the
   buffer draining below the low-water mark stops it. Past it the connection is aborted (not
@@ -72,9 +76,11 @@ _TOO_LARGE_RESPONSE = (
     b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
 )
 _TOO_LARGE_BODY = (
-    b'{"error":{"message":"The request line and headers are larger than the limit of %d bytes.",'
-    b'"type":"invalid_request_error","param":null,"code":"request_header_fields_too_large"}}'
+    b'{"error":{"message":"%s","type":"invalid_request_error","param":null,'
+    b'"code":"request_header_fields_too_large"}}'
 )
+_HEADERS_TOO_LARGE = "The request line and headers are larger than the limit of %d bytes."
+_FRAMING_TOO_LARGE = "The chunked body's framing and trailers are more than %d bytes beyond its content."
 DEFAULT_MAX_HEADER_BYTES = 64 * 1024
 LINGER_SECONDS = 2.0  # how long a refused client's further bytes are read and dropped before the cut
 
@@ -102,7 +108,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._aborted = False
         self._in_headers = True  # the next bytes are (part of) a request line and headers
         self._header_bytes = 0  # received since those began
+        self._body_bytes = 0  # the request's body received, and all else since its headers
+        self._framing_bytes = 0
         self._ended_request = False  # a request ended in the read being parsed
+        self._began_body = False  # a request's headers ended in it
 
     # --- connections ----------------------------------------------------------------------------
 
@@ -158,23 +167,47 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._linger_timer is not None:
             return  # refused: what it still sends is dropped unparsed
-        self._ended_request = False
+        self._ended_request = self._began_body = False
+        body_before = self._body_bytes
         super().data_received(data)
-        if self._in_headers and not self._ended_request and not self._aborted:
+        if self._aborted or self._ended_request or self._began_body:
+            return
+        limit = self.limits.max_header_bytes
+        if self._in_headers:
             self._header_bytes += len(data)
-            if self._header_bytes > self.limits.max_header_bytes:
-                self._headers_too_large()
+            if self._header_bytes > limit:
+                self._refuse(_HEADERS_TOO_LARGE % limit)
+        else:
+            self._framing_bytes += len(data) - (self._body_bytes - body_before)
+            if self._framing_bytes > limit + self._body_bytes:
+                self._refuse(_FRAMING_TOO_LARGE % limit)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._in_headers:  # not a trailer
+            super().on_header(name, value)
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        super().on_body(body)
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._in_headers, self._header_bytes, self._ended_request = True, 0, True
 
-    def _headers_too_large(self) -> None:
+    def _refuse(self, message: str) -> None:
         self.on_cutoff("header_size")
-        if self.cycle is not None and not self.cycle.response_complete:
-            self.abort()  # a response is going out (pipelined): no answer can be written in between
-            return
-        body = _TOO_LARGE_BODY % self.limits.max_header_bytes
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            if self._in_headers or cycle.response_started:
+                # an earlier request (pipelined) or this one is being answered: no answer can be
+                # written in between
+                self.abort()
+                return
+            # this request's body was still arriving: to the app its client has left (its sends
+            # are dropped), and the answer is ours
+            cycle.disconnected = True
+            cycle.message_event.set()
+        body = _TOO_LARGE_BODY % message.encode()
         self.transport.write(_TOO_LARGE_RESPONSE % (len(body), body))
         self._aborted = True  # no request runs on it any more, and it no longer counts as live
         self._cancel_timers()
@@ -208,7 +241,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._arm_header_timer()
 
     def on_headers_complete(self) -> None:
-        self._in_headers, self._header_bytes = False, 0
+        self._in_headers, self._header_bytes, self._began_body = False, 0, True
+        self._body_bytes = self._framing_bytes = 0
         if self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None

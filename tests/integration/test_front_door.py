@@ -12,9 +12,10 @@ Raw sockets play the clients a well-behaved HTTP library never would:
 - admission counts choices: n above the whole budget is a 400, n that fills it makes the next
   request a 429;
 - a JSON body nested 1,000 deep is a 400 with an OpenAI error body;
-- headers past --max-header-bytes (many of them, one huge value, a huge URL) get 431 with an
-  OpenAI error body as soon as the bound is passed, however much more the client sends; headers
-  under it, and pipelined requests with large bodies on one connection, are served;
+- headers past --max-header-bytes (many of them, one huge value, a huge URL, a chunked body's
+  endless trailer) get 431 with an OpenAI error body as soon as the bound is passed, however much
+  more the client sends; headers under it, pipelined requests with large bodies on one
+  connection, and a body in 16-byte chunks with trailers, are served;
 - n > 1 streamed, the client leaving as soon as one choice ends on its stop string: every other
   choice's room is aborted on decode, none decodes on for nobody.
 After each: admission slots all free, queue gauges 0, every KV pool whole (Mesh.assert_invariants).
@@ -271,6 +272,11 @@ def test_admission_counts_choices(mesh):
 HEADER_LIMIT = 64 * 1024  # --max-header-bytes' default
 
 
+def chunked_head(port: int) -> bytes:
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+            f"Transfer-Encoding: chunked\r\n\r\n").encode()
+
+
 def send_until_answered(port: int, start: bytes, more) -> tuple[bytes, int]:
     """Send `start`, then the chunks of `more` until the router answers (or stops taking them);
     (what the router sent until it closed, bytes sent). Each chunk gives the router up to half a
@@ -300,12 +306,15 @@ def test_oversized_headers_get_431_and_the_connection_closes(mesh):
         "many headers": (line, (b"X-Pad-%d: %s\r\n" % (i, b"a" * 50_000) for i in range(60))),
         "one huge value": (line + b"X-Pad: ", (b"a" * 50_000 for _ in range(60))),
         "huge url": (b"GET /health?q=", (b"a" * 50_000 for _ in range(60))),
+        # a chunked body's trailers are headers too, and buffered alike
+        "endless trailer": (chunked_head(port) + b"5\r\nhello\r\n0\r\nX-Trailer: ",
+                            (b"a" * 50_000 for _ in range(60))),
     }
     for name, (start, more) in cases.items():
         got, sent = send_until_answered(port, start, more)
         assert got.startswith(b"HTTP/1.1 431 "), (name, got[:200])
         error = json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]
-        assert error["code"] == "request_header_fields_too_large" and str(HEADER_LIMIT) in error["message"]
+        assert error["code"] == "request_header_fields_too_large" and str(HEADER_LIMIT) in error["message"], error
         assert sent < 3_000_000, f"{name}: the router took {sent} bytes before answering"
     assert cutoffs(r, "header_size") - before == len(cases)
     # under the bound: served
@@ -323,6 +332,13 @@ def test_oversized_headers_get_431_and_the_connection_closes(mesh):
         got += s.recv(65536)
     s.close()
     assert got.count(b"HTTP/1.1 200 ") == 3, got[:500]
+    # chunked in 16-byte chunks, with trailers: the framing (~7 bytes a chunk) is no header
+    data = json.dumps({**NORMAL, "user": "u" * 200_000}).encode()
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(data[i:i + 16]), data[i:i + 16]) for i in range(0, len(data), 16))
+    s = connect(port)
+    s.sendall(chunked_head(port) + chunks + b"0\r\nX-Trailer: 1\r\n\r\n")
+    assert s.recv(64).startswith(b"HTTP/1.1 200 ")
+    s.close()
     normal_request(r)
     all_free(m, r)
 

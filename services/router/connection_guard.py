@@ -37,6 +37,9 @@ two; the protocol's own bookkeeping after it (keep-alive, the next pipelined req
 uvicorn's. Where that is not certain (the write buffer is full, a HEAD request, the response
 begun) it declines and the ASGI path sends as usual.
 
+Bytes the parser refuses get a 400 with an OpenAI error body, as every other refusal does
+(uvicorn's own is plain text, and is written even in the middle of a pipelined response).
+
 The body of a request is bounded by the application (services/router/request_body.py, `--body-timeout`,
 `--max-body-reads`), which knows when it has read it; a stream's per-client buffer likewise
 (services/router/fanout.py). Both reach the connection through `CONNECTION_EXTENSION` in the
@@ -46,6 +49,7 @@ ASGI scope, whose `abort()` cuts it.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,26 +65,21 @@ from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
 CONNECTION_EXTENSION = "pdmesh.connection"  # scope["extensions"][...]: the request's connection
 CYCLE_EXTENSION = "pdmesh.cycle"  # scope["extensions"][...]: uvicorn's request-response cycle of the request
-_TIMEOUT_RESPONSE = (
-    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-    b"content-length: %d\r\n\r\n%s"
-)
-_TIMEOUT_BODY = (
-    b'{"error":{"message":"The request headers did not arrive in time.","type":"invalid_request_error",'
-    b'"param":null,"code":"request_timeout"}}'
-)
-
-
-_TOO_LARGE_RESPONSE = (
-    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-    b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
-)
-_TOO_LARGE_BODY = (
-    b'{"error":{"message":"%s","type":"invalid_request_error","param":null,'
-    b'"code":"request_header_fields_too_large"}}'
-)
+_HEADERS_LATE = "The request headers did not arrive in time."
 _HEADERS_TOO_LARGE = "The request line and headers are larger than the limit of %d bytes."
 _FRAMING_TOO_LARGE = "The chunked body's framing and trailers are more than %d bytes beyond its content."
+_NOT_HTTP = "The request is not valid HTTP/1.1; the router could not parse it."
+
+
+def closing_error(status: int, code: str, message: str) -> bytes:
+    """A whole response with an OpenAI error body that closes the connection: what the server
+    answers itself, for a request no application sees."""
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": code}}).encode()
+    return b"%scontent-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s" % (
+        STATUS_LINE[status], len(body), body)
+
+
 DEFAULT_MAX_HEADER_BYTES = 64 * 1024
 LINGER_SECONDS = 2.0  # how long a refused client's further bytes are read and dropped before the cut
 
@@ -207,8 +206,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             # are dropped), and the answer is ours
             cycle.disconnected = True
             cycle.message_event.set()
-        body = _TOO_LARGE_BODY % message.encode()
-        self.transport.write(_TOO_LARGE_RESPONSE % (len(body), body))
+        self.transport.write(closing_error(431, "request_header_fields_too_large", message))
         self._aborted = True  # no request runs on it any more, and it no longer counts as live
         self._cancel_timers()
         self._linger_timer = self.loop.call_later(LINGER_SECONDS, self.transport.abort)
@@ -216,6 +214,19 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.write_eof()
         else:
             self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        # bytes httptools cannot parse; uvicorn's own answer is plain text, and would be written
+        # in the middle of a pipelined response still going out
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            if cycle.response_started:
+                self.abort()
+                return
+            cycle.disconnected = True  # the request's app sends nothing more on it
+            cycle.message_event.set()
+        self.transport.write(closing_error(400, "invalid_http", _NOT_HTTP))
+        self.transport.close()
 
     def _arm_header_timer(self) -> None:
         if self._header_timer is None and not self._aborted:
@@ -232,7 +243,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return
         self.on_cutoff("header_timeout")
         # a short answer fits the socket's buffer whatever the client does; then closed as usual
-        self.transport.write(_TIMEOUT_RESPONSE % (len(_TIMEOUT_BODY), _TIMEOUT_BODY))
+        self.transport.write(closing_error(408, "request_timeout", _HEADERS_LATE))
         self.transport.close()
 
     def on_message_begin(self) -> None:

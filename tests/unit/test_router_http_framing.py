@@ -1,6 +1,7 @@
-"""Chunked request bodies at the router's own server (services/router/connection_guard.py): a
-body's trailers are never taken as its headers, and framing or trailers without end are refused
-with 431 once they pass --max-header-bytes beyond the body, while small chunks are served."""
+"""HTTP framing at the router's own server (services/router/connection_guard.py): a chunked
+body's trailers are never taken as its headers; framing or trailers without end are refused with
+431 once they pass --max-header-bytes beyond the body, while small chunks are served; bytes that
+are not HTTP/1.1 get a 400 with an OpenAI error body, and the connection closes."""
 
 from __future__ import annotations
 
@@ -55,3 +56,34 @@ def test_framing_without_end_gets_431_and_the_connection_closes(cluster_factory)
     assert got.startswith(b"HTTP/1.1 431 "), got[:200]
     error = json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]
     assert error["code"] == "request_header_fields_too_large" and str(limit) in error["message"]
+
+
+NOT_HTTP = {
+    "h2-preface": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",  # HTTP/2 with prior knowledge
+    "binary": b"\x00\x01\x02hello\r\n\r\n",
+    "bad-content-length": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+    "length-and-chunked": (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+                           b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"),
+    "two-lengths": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+    "bad-chunk-size": HEAD + b"zz\r\n",  # not hex, once the request is under way
+}
+
+
+def test_bytes_that_are_not_http_get_an_openai_400_and_the_connection_closes(cluster_factory):  # noqa: F811
+    cluster = cluster_factory()
+    for name, data in NOT_HTTP.items():
+        with socket.create_connection(("127.0.0.1", cluster.port)) as sock:
+            sock.settimeout(10)
+            sock.sendall(data)
+            got = b""
+            while part := sock.recv(65536):
+                got += part
+        head, body = got.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in head, (name, got)
+        error = json.loads(body)["error"]
+        assert error["code"] == "invalid_http" and error["type"] == "invalid_request_error", (name, error)
+    # the router serves on
+    with socket.create_connection(("127.0.0.1", cluster.port)) as sock:
+        sock.sendall(HEAD + chunked(json.dumps(completion()).encode(), 64) + b"0\r\n\r\n")
+        (response,), _ = read_responses(sock, 1)
+    assert response.startswith(b"HTTP/1.1 200 ")

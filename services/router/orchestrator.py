@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
 from services.common.logging_setup import bound_contextvars, get_logger
 from services.common.metrics import Metrics
+from services.common.random_bits import randbits63
 from services.common.sampling_params import FIELDS as SAMPLING_FIELDS
 from services.common.sampling_params import SamplingParams
 from services.common.wire import params_to_pb
@@ -66,7 +66,7 @@ MAX_FAILOVERS = 3  # attempts that failed before producing a token, per request 
 def new_room() -> int:
     """A random, non-zero 63-bit room id (also the request id in logs)."""
     while True:
-        room = secrets.randbits(63)
+        room = randbits63()
         if room:
             return room
 

@@ -8,11 +8,11 @@ ignored, as OpenAI does. Prompts and chat rendering: prompts.py; tools: tools.py
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from services.common.random_bits import randbits63
 from services.common.sampling_params import UINT32_MAX, api_fields
 from services.common.tokenizer import Tokenizer
 from services.router.errors import bad_request, invalid_type, model_not_found
@@ -197,7 +197,7 @@ def _sampling(body: dict, spec_kw: dict) -> None:
                           code="invalid_value")
     seed = body.get("seed")
     if seed is None:
-        seed = secrets.randbits(63)
+        seed = randbits63()
     elif not is_int(seed):
         raise invalid_type("seed", "an integer", seed)
     elif not -(1 << 63) <= seed <= UINT64_MASK:

@@ -176,6 +176,18 @@ class H2Stream(asyncio.Protocol):
         if self._out and self._end is not None:
             raise self._end_error()
 
+    def try_write(self, message) -> bool:
+        """write() without waiting, where it would not wait: the stream is open and nothing of an
+        earlier message is still waiting for window or a drained socket. False: nothing written,
+        use write()."""
+        if self._end is not None or self._out or self._paused or not self._ready.done():
+            return False
+        data = self._serialize(message)
+        self._out += _PREFIX.pack(0, len(data))
+        self._out += data
+        self._flush()
+        return True
+
     def read(self) -> asyncio.Future:
         """A future of the next message (already done when one is in), then of grpc.aio.EOF."""
         fut = self._loop.create_future()

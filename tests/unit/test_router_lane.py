@@ -421,3 +421,49 @@ def test_a_sigstopped_worker_fails_its_calls_within_the_keepalive():
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_calls_of_one_loop_iteration_go_out_in_one_message_without_the_write_loop():
+    """The entries started in one loop iteration are written together, straight from the loop's
+    callback when the stream takes them without waiting (H2Stream.try_write)."""
+    async def fn(p, d, ps, ds):
+        await ps.Prefill(prefill_request(100), timeout=10)  # the stream is open and ready
+        stream = ps.lane._stream
+        direct, waited = [], []
+        try_write, write = stream.try_write, stream.write
+
+        def counting_try_write(message):
+            ok = try_write(message)
+            (direct if ok else waited).append(len(message.calls))
+            return ok
+
+        async def counting_write(message):
+            waited.append(len(message.calls))
+            await write(message)
+
+        stream.try_write, stream.write = counting_try_write, counting_write
+        calls = [ps.Prefill(prefill_request(room), timeout=10) for room in range(1, 9)]
+        replies = await asyncio.gather(*calls)
+        assert [r.room for r in replies] == list(range(1, 9))
+        assert direct == [8] and waited == []
+
+    run_with(fn)
+
+
+def test_calls_beyond_the_window_wait_for_it_in_their_order():
+    """Calls whose bytes pass HTTP/2's flow-control window: those the stream cannot take at once go
+    through the write loop, after the ones written, and every call is answered in the order sent."""
+    async def fn(p, d, ps, ds):
+        await ps.Prefill(prefill_request(1000), timeout=10)
+        big = list(range(3000))  # ~6 KB an entry: 64 entries are several windows
+        rooms = list(range(1, 65))
+        for room in rooms[:32]:  # two loop iterations' worth, the second sent while the first waits
+            ps.Prefill(wpb.PrefillRequest(room=room, token_ids=big, params=PARAMS), timeout=20)
+        await asyncio.sleep(0)
+        calls = [ps.Prefill(wpb.PrefillRequest(room=room, token_ids=big, params=PARAMS), timeout=20)
+                 for room in rooms[32:]]
+        await asyncio.gather(*calls)
+        await wait_until(lambda: len(p.seen.rooms) == 65)
+        assert p.seen.rooms[1:] == rooms
+
+    run_with(fn, max_message_bytes=16 * 1024)

@@ -6,7 +6,6 @@ too deeply for the parser: 400) and, for a generation request, its fields into a
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +14,7 @@ from starlette.requests import Request
 from services.common.metrics import Metrics
 from services.router import errors
 from services.router.grammar_cost import GrammarCost
+from services.router.json_codec import loads
 from services.router.leases import Lease
 from services.router.protocol import GenerateSpec, ModelInfo, parse_chat, parse_completion
 
@@ -47,7 +47,7 @@ class BodyReader:
             self.metrics.inc(self.metrics.router_client_cutoffs, reason="body_timeout")
             raise errors.body_timeout(self.body_timeout) from None
         try:
-            return json.loads(raw), len(raw)
+            return loads(raw), len(raw)
         except RecursionError:
             raise errors.nested_too_deeply() from None
         except (ValueError, UnicodeDecodeError) as e:

@@ -151,7 +151,10 @@ RANGED = tuple(f for f in FIELDS if f.metadata["range"] is not None)
 _RANGE_CHECKS = tuple((f.name, r.lo, r.hi, r.lo_open, r) for f in RANGED for r in [f.metadata["range"]])
 
 
+_API_FIELDS = tuple((f.name, f.default, f.metadata["api"]) for f in FIELDS if f.metadata["api"] is not None)
+
+
 def api_fields() -> tuple[tuple[str, Any, Api], ...]:
     """(name, default, API range) of the scalar fields a client sets under the same name; the
     default's type is the JSON type the router accepts (bool, int, or a number for float)."""
-    return tuple((f.name, f.default, f.metadata["api"]) for f in FIELDS if f.metadata["api"] is not None)
+    return _API_FIELDS

@@ -173,16 +173,24 @@ def _with_defaults(body: dict, info: ModelInfo) -> dict:
     return {**body, **missing} if missing else body
 
 
+def _field_reader(default: Any, api) -> Callable[[dict, str, Any], Any]:
+    if type(default) is bool:
+        return get_bool
+    get = get_int if type(default) is int else get_float
+    return lambda body, name, default: get(body, name, default, api.lo, api.hi)
+
+
+# (name, default, reader) of each field _declared reads, made once: most bodies set few of them
+_DECLARED = tuple((name, default, _field_reader(default, api)) for name, default, api in api_fields())
+
+
 def _declared(body: dict, kw: dict) -> None:
     """The plain scalar sampling fields (temperature, top_p, top_k, min_p, the penalties,
     min_tokens, ignore_eos), each read under its own name with the API range SamplingParams
-    declares for it."""
-    for name, default, api in api_fields():
-        if type(default) is bool:
-            kw[name] = get_bool(body, name, default)
-        else:
-            get = get_int if type(default) is int else get_float
-            kw[name] = get(body, name, default, api.lo, api.hi)
+    declares for it (absent or null: its default)."""
+    get = body.get
+    for name, default, read in _DECLARED:
+        kw[name] = default if get(name) is None else read(body, name, default)
 
 
 def _sampling(body: dict, spec_kw: dict) -> None:

@@ -112,6 +112,8 @@ def server_config(app, limits: ConnectionLimits, *, host: str, port: int, log_le
         log_config=None,  # keep our JSON logging; uvicorn's own plain-text lines only for problems
         log_level=log_level,
         access_log=False,  # one structured line per request comes from the router itself
+        # nothing reads the client's address (no access log): no X-Forwarded-For middleware per request
+        proxy_headers=False,
         timeout_keep_alive=keep_alive_timeout,
         timeout_graceful_shutdown=shutdown_timeout,
     )

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Install the Debian packages the deploy tests need, when they are missing:
+# Install the Debian packages the deploy and hosts tests need, when they are missing:
 #   prometheus      -> prometheus, promtool   (tests/*/test_deploy_prometheus*.py)
 #   docker-compose  -> docker-compose         (tests/unit/test_deploy_compose.py; validates offline)
+#   nftables        -> nft                    (tests/hosts: partitions between network namespaces)
+#   iproute2        -> ip, tc                 (tests/hosts: the namespaces, their links and rate caps)
 # Quiet and idempotent; never fails the build. Without root or apt-get it only says what is
 # missing, and the tests that need it skip with a message naming the package.
 # Set PDMESH_SKIP_TOOL_INSTALL=1 to never touch apt.
@@ -11,6 +13,8 @@ set -u
 missing=()
 { command -v prometheus && command -v promtool; } >/dev/null 2>&1 || missing+=(prometheus)
 command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
+command -v nft >/dev/null 2>&1 || missing+=(nftables)
+{ command -v ip && command -v tc; } >/dev/null 2>&1 || missing+=(iproute2)
 [ ${#missing[@]} -eq 0 ] && exit 0
 
 say() { echo "ensure_test_tools: $*" >&2; }

@@ -11,16 +11,19 @@ drops the block it inherited, so no two processes hand out the same numbers.
 from __future__ import annotations
 
 import os
+import threading
 
 _BLOCK = 4096  # bytes read from the OS per refill: 512 numbers
 
 _buffer = b""
 _offset = _BLOCK
+# a big body's seed is drawn on a worker thread (request_body.parse_spec): no number twice
+_lock = threading.Lock()
 
 
 def _drop() -> None:
-    global _buffer, _offset
-    _buffer, _offset = b"", _BLOCK
+    global _buffer, _offset, _lock
+    _buffer, _offset, _lock = b"", _BLOCK, threading.Lock()  # a fresh lock: another thread may hold ours
 
 
 os.register_at_fork(after_in_child=_drop)
@@ -29,8 +32,9 @@ os.register_at_fork(after_in_child=_drop)
 def randbits63() -> int:
     """A uniformly random integer in [0, 2**63)."""
     global _buffer, _offset
-    at = _offset
-    if at >= _BLOCK:
-        _buffer, at = os.urandom(_BLOCK), 0
-    _offset = at + 8
-    return int.from_bytes(_buffer[at:at + 8], "little") >> 1
+    with _lock:
+        at = _offset
+        if at >= _BLOCK:
+            _buffer, at = os.urandom(_BLOCK), 0
+        _offset = at + 8
+        return int.from_bytes(_buffer[at:at + 8], "little") >> 1

@@ -296,18 +296,19 @@ class Lane:
         try_write = getattr(stream, "try_write", None)  # grpc.aio's stream has none: the loop writes
         if try_write is not None and not self._writing:
             out, sizes, self._out, self._out_sizes = self._out, self._out_sizes, [], []
-            groups = list(batches(out, sizes, self.max_message_bytes))
+            sent = 0
             try:
-                while groups and try_write(wpb.LaneUp(calls=groups[0])):
-                    groups.pop(0)
+                for group in batches(out, sizes, self.max_message_bytes):
+                    if not try_write(wpb.LaneUp(calls=group)):
+                        break
+                    sent += len(group)
             except Exception as e:  # noqa: BLE001 - as the write loop's own failure
                 self._write_failed(stream, e)
                 return
-            if not groups:
-                return
-            # the rest waits for window: back in front of anything sent meanwhile, for the loop
-            rest = [entry for group in groups for entry in group]
-            self._out, self._out_sizes = rest + self._out, [entry_bytes(e) for e in rest] + self._out_sizes
+            if sent == len(out) or self._stream is not stream:
+                return  # all written, or the stream ended meanwhile (its calls failed with it)
+            # the rest waits for window: the write loop sends it, in order
+            self._out, self._out_sizes = out[sent:], sizes[sent:]
         self._wake.set()
 
     def _open(self) -> None:

@@ -2,6 +2,7 @@
 a forked child."""
 
 import os
+import threading
 
 from services.common import random_bits
 from services.common.random_bits import randbits63
@@ -39,3 +40,25 @@ def test_the_block_is_read_once_per_512_numbers(monkeypatch):
     for _ in range(1024):
         randbits63()
     assert reads == [4096, 4096]
+
+
+def test_a_draw_that_refills_lets_no_other_draw_run_meanwhile(monkeypatch):
+    # the refill is the one place a draw can stop mid-way: another thread drawing then would read
+    # the same offset (a number twice) or have its block thrown away under it
+    blocks = iter([bytes(range(256)) * 16, bytes(range(256)) * 16])  # the same numbers if drawn twice
+    other_done = threading.Event()
+    other: list[int] = []
+
+    def slow_urandom(n: int) -> bytes:
+        if not other_done.is_set() and threading.current_thread() is threading.main_thread():
+            worker = threading.Thread(target=lambda: (other.append(randbits63()), other_done.set()))
+            worker.start()
+            assert not other_done.wait(0.3), "another draw ran while this one was refilling"
+        return next(blocks)
+
+    monkeypatch.setattr(random_bits, "_buffer", b"")
+    monkeypatch.setattr(random_bits, "_offset", 4096)
+    monkeypatch.setattr(random_bits.os, "urandom", slow_urandom)
+    first = randbits63()
+    assert other_done.wait(5)
+    assert first != other[0]

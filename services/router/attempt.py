@@ -135,7 +135,7 @@ class Attempt:
                               colocated=prefill is None, canary=canary),
             timeout,
         )
-        self._prefill_task = asyncio.ensure_future(self._run_prefill())
+        self._prefill_task = self._prefill_future(loop)
         self._prefill_task.add_done_callback(self._prefill_done)
         self._read: asyncio.Future | None = None
         self._down: set[WorkerHandle] = set()  # this attempt's workers the pool has ejected
@@ -145,8 +145,19 @@ class Attempt:
         self.got_first = False  # decode has sent a token: the client may have seen bytes of this attempt
         self._closed = False
 
+    def _prefill_future(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+        """The Prefill reply as a future: a lane call's own (no task per request), a task around
+        any other call, already None without prefill."""
+        call = self._prefill_call
+        if call is None:
+            done = loop.create_future()
+            done.set_result(None)
+            return done
+        future = getattr(call, "future", None)
+        return future if isinstance(future, asyncio.Future) else asyncio.ensure_future(self._run_prefill())
+
     async def _run_prefill(self) -> wpb.PrefillReply | None:
-        return None if self._prefill_call is None else await self._prefill_call
+        return await self._prefill_call
 
     def _prefill_done(self, task: asyncio.Task) -> None:
         if self.prefill is None:

@@ -115,6 +115,12 @@ class LanePrefillCall(_Call):
     def __await__(self):
         return self._future.__await__()
 
+    @property
+    def future(self) -> asyncio.Future:
+        """The reply's future, for a caller that would otherwise wrap this call in a task to get
+        one: cancelling it cancels the call, as cancelling that task would."""
+        return self._future
+
     def deliver(self, reply: wpb.LaneReply) -> None:
         kind = reply.WhichOneof("msg")
         if kind == "prefill":

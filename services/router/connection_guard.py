@@ -37,6 +37,11 @@ two; the protocol's own bookkeeping after it (keep-alive, the next pipelined req
 uvicorn's. Where that is not certain (the write buffer is full, a HEAD request, the response
 begun) it declines and the ASGI path sends as usual.
 
+A request's wait for its client to leave (`watch_disconnect`) is a callback the protocol calls
+when it marks the request disconnected (the connection lost, or the request refused mid-body),
+where a task waiting on the request's `receive()` for `http.disconnect` would wake: the same
+moment, without a task per request.
+
 Bytes the parser refuses get a 400 with an OpenAI error body, as every other refusal does
 (uvicorn's own is plain text, and is written even in the middle of a pipelined response).
 
@@ -111,6 +116,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._framing_bytes = 0
         self._ended_request = False  # a request ended in the read being parsed
         self._began_body = False  # a request's headers ended in it
+        self._gone_watchers: dict[RequestResponseCycle, Callable[[], None]] = {}  # watch_disconnect's
 
     # --- connections ----------------------------------------------------------------------------
 
@@ -125,6 +131,36 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
         super().connection_lost(exc)
+        # uvicorn marks only the newest request disconnected: an older one still being answered
+        # (pipelined) has lost its client as well, and would otherwise run on until its deadline
+        for cycle in self._gone_watchers:
+            if not cycle.response_complete:
+                cycle.disconnected = True
+        self._tell_gone()
+
+    def watch_disconnect(self, cycle: RequestResponseCycle, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback()` once `cycle`'s client is gone, on the loop iteration a task waiting
+        on its `receive()` for `http.disconnect` would wake in; returns what stops the watch. For
+        a request whose body is read: its `receive()` is then only ever waiting for that."""
+        watchers = self._gone_watchers
+        watchers[cycle] = callback
+        if cycle.disconnected or cycle.response_complete:  # receive() would answer at once
+            self.loop.call_soon(self._call_gone, cycle)
+        else:
+            cycle.flow.resume_reading()  # as receive() does before it waits: a close is seen while reading
+        return lambda: watchers.pop(cycle, None)  # type: ignore[return-value]
+
+    def _tell_gone(self) -> None:
+        """The watchers of the requests now marked disconnected (uvicorn marks the current one),
+        called soon, as a waiting task's wake-up would run."""
+        for cycle in self._gone_watchers:
+            if cycle.disconnected:
+                self.loop.call_soon(self._call_gone, cycle)
+
+    def _call_gone(self, cycle: RequestResponseCycle) -> None:
+        callback = self._gone_watchers.pop(cycle, None)
+        if callback is not None:  # not unwatched meanwhile
+            callback()
 
     def _live(self) -> list[GuardedHttpToolsProtocol]:
         return [p for p in self.connections
@@ -206,6 +242,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             # are dropped), and the answer is ours
             cycle.disconnected = True
             cycle.message_event.set()
+            self._tell_gone()
         self.transport.write(closing_error(431, "request_header_fields_too_large", message))
         self._aborted = True  # no request runs on it any more, and it no longer counts as live
         self._cancel_timers()
@@ -225,6 +262,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 return
             cycle.disconnected = True  # the request's app sends nothing more on it
             cycle.message_event.set()
+            self._tell_gone()
         self.transport.write(closing_error(400, "invalid_http", _NOT_HTTP))
         self.transport.close()
 
@@ -326,6 +364,16 @@ def write_whole(cycle: RequestResponseCycle, status: int, headers: list[tuple[by
         cycle.transport.close()
     cycle.on_response()
     return True
+
+
+def watch_disconnect(scope: dict, callback: Callable[[], None]) -> Callable[[], None] | None:
+    """GuardedHttpToolsProtocol.watch_disconnect for the request of this ASGI scope; None when
+    another server serves it (the caller then waits on `receive()`)."""
+    extensions = scope.get("extensions") or {}
+    connection, cycle = extensions.get(CONNECTION_EXTENSION), extensions.get(CYCLE_EXTENSION)
+    if not isinstance(connection, GuardedHttpToolsProtocol) or cycle is None:
+        return None
+    return connection.watch_disconnect(cycle, callback)
 
 
 def guarded_protocol(limits: ConnectionLimits, on_cutoff: Callable[[str], None]) -> type[HttpToolsProtocol]:

@@ -192,7 +192,7 @@ class RequestDriver:
     async def complete(self, request: Request) -> Response:
         status, error = 500, "internal error"
         try:
-            await run_until_disconnect(self._collect(), request.receive)
+            await run_until_disconnect(self._collect(), request.receive, request.scope)
             status, error = 200, None
             if self.reshape is not None:  # built from the dict: no JSON encoded only to be parsed again
                 body = dumps(self.reshape(self.state.body(self.states)))

@@ -17,7 +17,7 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from services.router.connection_guard import CONNECTION_EXTENSION
+from services.router.connection_guard import CONNECTION_EXTENSION, watch_disconnect
 from services.router.json_codec import dumps
 
 DONE = b"data: [DONE]\n\n"
@@ -39,31 +39,42 @@ async def wait_disconnect(receive: Receive) -> None:
             return
 
 
-async def run_until_disconnect(work: Awaitable, receive: Receive):
+async def run_until_disconnect(work: Awaitable, receive: Receive, scope: dict | None = None):
     """Await `work`; if the client disconnects first, cancel it and raise ClientDisconnected.
 
-    `work` runs in the calling task, and a watcher task cancels that task when the disconnect
-    arrives: one task per request less than running the work in its own task and waiting for
-    either (the router's hot path)."""
+    `work` runs in the calling task, which is cancelled when the disconnect arrives: on the
+    router's own server (`scope` given) by the connection's callback
+    (connection_guard.watch_disconnect), elsewhere by a watcher task waiting on `receive()`. No
+    task of its own for the work, and on the router's server none for the watch either (the
+    router's hot path)."""
     task = asyncio.current_task()
     gone = False
 
-    async def watch() -> None:
+    def on_gone() -> None:
         nonlocal gone
-        await wait_disconnect(receive)
         gone = True
         task.cancel()
 
-    watcher = asyncio.ensure_future(watch())
+    unwatch = None if scope is None else watch_disconnect(scope, on_gone)
+    watcher = None
+    if unwatch is None:
+        async def watch() -> None:
+            await wait_disconnect(receive)
+            on_gone()
+
+        watcher = asyncio.ensure_future(watch())
     try:
         result = await work
     except asyncio.CancelledError:
         if not gone:
             raise  # we ourselves were cancelled
-        task.uncancel()  # the cancel was the watcher's: it ends here, as ClientDisconnected
+        task.uncancel()  # the cancel was the watch's: it ends here, as ClientDisconnected
         raise ClientDisconnected() from None
     finally:
-        watcher.cancel()
+        if watcher is not None:
+            watcher.cancel()
+        else:
+            unwatch()
     if gone:  # the work finished in spite of the cancel: the client is gone all the same
         task.uncancel()
         raise ClientDisconnected()
@@ -131,7 +142,7 @@ class SSEResponse(Response):
 
         with self.bind():
             try:
-                await run_until_disconnect(pump(), receive)
+                await run_until_disconnect(pump(), receive, scope)
             except (ClientDisconnected, OSError):
                 disconnected = True
             except asyncio.CancelledError:

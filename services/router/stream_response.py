@@ -30,7 +30,7 @@ async def _first_of_each(driver) -> list[tuple[int, object]]:
 async def stream_response(driver, request: Request) -> Response:
     """`driver`: the RequestDriver (services/router/request_driver.py) of an admitted request."""
     try:
-        first = await run_until_disconnect(_first_of_each(driver), request.receive)
+        first = await run_until_disconnect(_first_of_each(driver), request.receive, request.scope)
     except APIError as e:
         await driver.end(e.status, e.message)
         return error_json(e, driver.public_id)

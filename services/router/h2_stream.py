@@ -141,6 +141,7 @@ class H2Stream(asyncio.Protocol):
         self._have_headers = False  # the response's headers are in (what follows with END_STREAM: trailers)
         self._messages: collections.deque = collections.deque()
         self._reader: asyncio.Future | None = None
+        self._on_message: Callable | None = None  # on_messages(): each message handed over as parsed
         self._end: BaseException | object | None = None  # grpc.aio.EOF, an AioRpcError, CancelledError
         self._unacked = 0  # bytes received since this side last refilled the worker's windows
         self._out = bytearray()  # DATA payload waiting for window
@@ -198,6 +199,15 @@ class H2Stream(asyncio.Protocol):
         else:
             self._reader = fut
         return fut
+
+    def on_messages(self, callback: Callable) -> None:
+        """Hand each message to `callback(message)` as soon as it is parsed, from the connection's
+        own callback, instead of queueing it for read(), which then gives only the stream's end
+        (grpc.aio.EOF or the error): the reader saves a wake-up per message. `callback` must not
+        raise."""
+        self._on_message = callback
+        while self._messages:
+            callback(self._messages.popleft())
 
     def cancel(self) -> bool:
         if self._end is not None:
@@ -316,6 +326,9 @@ class H2Stream(asyncio.Protocol):
             self._finish(call_error(grpc.StatusCode.INTERNAL, "the stream ended without trailers"))
 
     def _deliver(self, message) -> None:
+        if self._on_message is not None:
+            self._on_message(message)
+            return
         reader, self._reader = self._reader, None
         if reader is not None and not reader.done():
             reader.set_result(message)

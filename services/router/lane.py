@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import itertools
 
 import grpc
@@ -326,6 +327,9 @@ class Lane:
         else:
             stream = self.fallback.Lane(metadata=md)
         self._stream = stream
+        on_messages = getattr(stream, "on_messages", None)  # grpc.aio's stream has none: the read loop reads
+        if on_messages is not None:
+            on_messages(functools.partial(self._dispatch, stream))
         self._wake = asyncio.Event()
         self.opened += 1
         self._tasks = [asyncio.ensure_future(self._write_loop(stream, self._wake)),
@@ -359,16 +363,10 @@ class Lane:
         error: BaseException = rpc_error(grpc.StatusCode.UNAVAILABLE, f"lane to {self.addr} closed")
         try:
             while True:
-                msg = await stream.read()
+                msg = await stream.read()  # only the end, where the stream hands messages to _dispatch
                 if msg is grpc.aio.EOF:
                     break
-                calls = self._calls
-                for reply in msg.replies:
-                    call = calls.get(reply.call)
-                    if call is not None:
-                        call.deliver(reply)
-                        if call.done:
-                            del calls[reply.call]
+                self._deliver(msg)
         except grpc.aio.AioRpcError as e:
             error = e
         except asyncio.CancelledError:
@@ -376,6 +374,27 @@ class Lane:
             raise
         finally:
             self._closed(stream, error)
+
+    def _deliver(self, msg: wpb.LaneDown) -> None:
+        calls = self._calls
+        for reply in msg.replies:
+            call = calls.get(reply.call)
+            if call is not None:
+                call.deliver(reply)
+                if call.done:
+                    del calls[reply.call]
+
+    def _dispatch(self, stream, msg: wpb.LaneDown) -> None:
+        """A message as the stream parses it (H2Stream.on_messages): delivered at once, with no
+        wake-up of the read loop in between."""
+        if self._stream is not stream:
+            return
+        try:
+            self._deliver(msg)
+        except Exception as e:  # noqa: BLE001 - as the read loop's own failure: the lane ends, its calls fail
+            log.exception("lane read failed", worker=self.addr)
+            self._closed(stream, rpc_error(grpc.StatusCode.UNAVAILABLE, f"lane to {self.addr}: read failed: {e!r}"))
+            stream.cancel()
 
     def _closed(self, stream, error: BaseException) -> None:
         """The stream ended: its calls fail with its status (or move to per-call RPCs)."""

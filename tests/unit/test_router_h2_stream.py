@@ -87,6 +87,44 @@ def test_messages_both_ways_across_frames_and_windows():
     run(fn)
 
 
+def test_on_messages_hands_each_message_over_as_it_is_parsed_and_read_gives_only_the_end():
+    async def fn(server, addr):
+        s = stream(addr)
+        got: list[bytes] = []
+        s.on_messages(got.append)
+        big = bytes(range(256)) * (2 * 4096 + 3)  # across many frames
+        for msg in (b"one", big, b"two"):
+            await s.write(msg)
+        end = asyncio.ensure_future(s.read())
+        while len(got) < 3:
+            await asyncio.sleep(0.01)
+        assert got == [b"one", big, b"two"] and not end.done()
+        await s.write(b"fail")
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await asyncio.wait_for(end, 5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    run(fn)
+
+
+def test_messages_queued_before_on_messages_go_to_it_first():
+    async def fn(server, addr):
+        s = stream(addr)
+        for msg in (b"first", b"second"):
+            await s.write(msg)
+        while len(s._messages) < 2:  # both in, queued for read()
+            await asyncio.sleep(0.01)
+        got: list[bytes] = []
+        s.on_messages(got.append)
+        await s.write(b"third")
+        while len(got) < 3:
+            await asyncio.sleep(0.01)
+        assert got == [b"first", b"second", b"third"]
+        s.cancel()
+
+    run(fn)
+
+
 def test_the_servers_status_and_trailing_metadata_end_the_stream():
     async def fn(server, addr):
         s = stream(addr)

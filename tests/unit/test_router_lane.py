@@ -467,3 +467,44 @@ def test_calls_beyond_the_window_wait_for_it_in_their_order():
         assert p.seen.rooms[1:] == rooms
 
     run_with(fn, max_message_bytes=16 * 1024)
+
+
+def test_replies_reach_their_calls_as_the_stream_parses_them_without_the_read_loop():
+    """The stream hands each message to the lane from the connection's callback
+    (H2Stream.on_messages): the read loop only waits for the stream's end."""
+    async def fn(p, d, ps, ds):
+        await ps.Prefill(prefill_request(100), timeout=10)  # the stream is open
+        stream = ps.lane._stream
+        read = stream.read
+        reads: list[object] = []
+
+        def counting_read():
+            fut = read()
+            reads.append(fut)
+            return fut
+
+        stream.read = counting_read
+        replies = await asyncio.gather(*(ps.Prefill(prefill_request(room), timeout=10) for room in range(1, 6)))
+        assert [r.room for r in replies] == list(range(1, 6))
+        assert reads == []  # the read loop still waits on its first read(), for the end
+
+    run_with(fn)
+
+
+def test_a_reply_the_lane_cannot_deliver_ends_the_lane_and_fails_its_calls():
+    async def fn(p, d, ps, ds):
+        await ps.Prefill(prefill_request(100), timeout=10)
+        lane = ps.lane
+        deliver = lane._deliver
+
+        def broken(msg):
+            raise RuntimeError("cannot deliver")
+
+        lane._deliver = broken
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await ps.Prefill(prefill_request(1), timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "read failed" in e.value.details()
+        lane._deliver = deliver
+        assert (await ps.Prefill(prefill_request(2), timeout=10)).room == 2  # a new stream serves the next
+
+    run_with(fn)

@@ -96,6 +96,43 @@ async def first_of(futures: set[asyncio.Future], until: float) -> None:
             f.remove_done_callback(wake)
 
 
+# what `wait_read` sets a read's future to when something else woke it: not a message
+WOKEN = object()
+
+
+async def wait_read(read: asyncio.Future, others: list[asyncio.Future], until: float) -> None:
+    """first_of((read, *others), until), where `read` is a plain future the caller owns (a lane
+    call's `read()`): the other wake-ups and the timer set `read` itself (to WOKEN), so a chunk
+    wakes the waiting task directly instead of through a callback and a second future. Its
+    producer takes a `read` already done as a reader gone, and keeps the chunk for the next one."""
+    if isinstance(read, asyncio.Task) or not isinstance(read, asyncio.Future):
+        await first_of({read, *others}, until)
+        return
+    for f in others:
+        if f.done():
+            return
+
+    def wake(_=None) -> None:
+        if not read.done():
+            read.set_result(WOKEN)
+
+    for f in others:
+        f.add_done_callback(wake)
+    timer = asyncio.get_running_loop().call_at(until, wake)
+    try:
+        await read
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():
+            raise  # this task was cancelled
+        # else the read itself was (its call ended so): the caller reads that from it, as a failure
+    except Exception:  # noqa: BLE001, S110 - the read's failure: the caller reads it from the read
+        pass
+    finally:
+        timer.cancel()
+        for f in others:
+            f.remove_done_callback(wake)
+
+
 class Attempt:
     """Both RPCs of one try, and nothing else: what to do when it fails is the orchestrator's
     (services/router/recovery_policy.py). The pair arrives reserved (a PairLease from
@@ -186,32 +223,34 @@ class Attempt:
                 self._read = asyncio.ensure_future(self._decode_call.read())
             stall_at = self._last_heard + self.stall_timeout
             if not self._read.done():  # a chunk already in hand is taken without waiting on anything
-                waits = {self._read, self._ejected}
+                others = [self._ejected]
                 if not self.got_first and not self._prefill_task.done():
-                    waits.add(self._prefill_task)
-                await first_of(waits, stall_at)
+                    others.append(self._prefill_task)
+                await wait_read(self._read, others, stall_at)
             if self._read.done():
                 read, self._read = self._read, None
-                if read.cancelled() or read.exception() is not None:
-                    raise rpc_failure(self.decode, asyncio.CancelledError() if read.cancelled() else read.exception())
-                msg = read.result()
-                if msg is grpc.aio.EOF:
-                    return None
-                self._last_heard = loop.time()
-                if not msg.token_ids and not msg.finish_reason:
-                    continue  # a keep-alive: decode holds the room and is alive
-                first = not self.got_first
-                chunk = Chunk(list(msg.token_ids), list(msg.logprobs), msg.finish_reason,
-                              cached_tokens=msg.cached_tokens)
-                if first and self.wants_prompt:
-                    # before got_first: without them the attempt fails over, nothing was sent yet
-                    chunk.prompt = await self._prompt_logprobs(msg)
-                self.got_first = True
-                if self.top_logprobs:
-                    chunk.top = [list(zip(t.token_ids, t.logprobs, strict=True)) for t in msg.top_logprobs]
-                    if first and len(chunk.top) < len(chunk.token_ids):
-                        chunk.top.insert(0, await self._first_top())
-                return chunk
+                # WOKEN: another wake-up (below) came first; a chunk that came meanwhile waits for the next read
+                if read.cancelled() or read.exception() is not None or read.result() is not WOKEN:
+                    if read.cancelled() or read.exception() is not None:
+                        raise rpc_failure(self.decode, asyncio.CancelledError() if read.cancelled() else read.exception())
+                    msg = read.result()
+                    if msg is grpc.aio.EOF:
+                        return None
+                    self._last_heard = loop.time()
+                    if not msg.token_ids and not msg.finish_reason:
+                        continue  # a keep-alive: decode holds the room and is alive
+                    first = not self.got_first
+                    chunk = Chunk(list(msg.token_ids), list(msg.logprobs), msg.finish_reason,
+                                  cached_tokens=msg.cached_tokens)
+                    if first and self.wants_prompt:
+                        # before got_first: without them the attempt fails over, nothing was sent yet
+                        chunk.prompt = await self._prompt_logprobs(msg)
+                    self.got_first = True
+                    if self.top_logprobs:
+                        chunk.top = [list(zip(t.token_ids, t.logprobs, strict=True)) for t in msg.top_logprobs]
+                        if first and len(chunk.top) < len(chunk.token_ids):
+                            chunk.top.insert(0, await self._first_top())
+                    return chunk
             if self._ejected.done():
                 if self.decode in self._down or not self.got_first:
                     worker = self.decode if self.decode in self._down else self.prefill

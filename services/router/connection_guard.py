@@ -116,7 +116,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._framing_bytes = 0
         self._ended_request = False  # a request ended in the read being parsed
         self._began_body = False  # a request's headers ended in it
-        self._gone_watchers: dict[RequestResponseCycle, Callable[[], None]] = {}  # watch_disconnect's
+        # watch_disconnect's, each under a key of its own: (the request's cycle, the callback)
+        self._gone_watchers: dict[object, tuple[RequestResponseCycle, Callable[[], None]]] = {}
 
     # --- connections ----------------------------------------------------------------------------
 
@@ -133,7 +134,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
         # uvicorn marks only the newest request disconnected: an older one still being answered
         # (pipelined) has lost its client as well, and would otherwise run on until its deadline
-        for cycle in self._gone_watchers:
+        for cycle, _ in self._gone_watchers.values():
             if not cycle.response_complete:
                 cycle.disconnected = True
         self._tell_gone()
@@ -142,25 +143,25 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         """Call `callback()` once `cycle`'s client is gone, on the loop iteration a task waiting
         on its `receive()` for `http.disconnect` would wake in; returns what stops the watch. For
         a request whose body is read: its `receive()` is then only ever waiting for that."""
-        watchers = self._gone_watchers
-        watchers[cycle] = callback
+        watchers, key = self._gone_watchers, object()
+        watchers[key] = (cycle, callback)
         if cycle.disconnected or cycle.response_complete:  # receive() would answer at once
-            self.loop.call_soon(self._call_gone, cycle)
+            self.loop.call_soon(self._call_gone, key)
         else:
             cycle.flow.resume_reading()  # as receive() does before it waits: a close is seen while reading
-        return lambda: watchers.pop(cycle, None)  # type: ignore[return-value]
+        return lambda: watchers.pop(key, None)  # type: ignore[return-value]
 
     def _tell_gone(self) -> None:
         """The watchers of the requests now marked disconnected (uvicorn marks the current one),
         called soon, as a waiting task's wake-up would run."""
-        for cycle in self._gone_watchers:
+        for key, (cycle, _) in self._gone_watchers.items():
             if cycle.disconnected:
-                self.loop.call_soon(self._call_gone, cycle)
+                self.loop.call_soon(self._call_gone, key)
 
-    def _call_gone(self, cycle: RequestResponseCycle) -> None:
-        callback = self._gone_watchers.pop(cycle, None)
-        if callback is not None:  # not unwatched meanwhile
-            callback()
+    def _call_gone(self, key: object) -> None:
+        watch = self._gone_watchers.pop(key, None)
+        if watch is not None:  # not unwatched meanwhile
+            watch[1]()
 
     def _live(self) -> list[GuardedHttpToolsProtocol]:
         return [p for p in self.connections

@@ -93,3 +93,24 @@ def test_without_the_router_server_a_watcher_task_sees_the_disconnect():
             await asyncio.wait_for(running, 5)
 
     asyncio.run(scenario())
+
+
+def test_two_watches_on_one_request_are_each_called_and_each_stopped_alone(cluster_factory):  # noqa: F811
+    c = cluster_factory(request_timeout=30)
+    c.decodes[0].behaviour = Behaviour(mode="hang")
+    c.prefills[0].behaviour = Behaviour(mode="hang")
+    called: list[str] = []
+
+    async def watch_the_held_request():
+        connection = next(iter(c.server.server_state.connections))
+        cycle = connection.cycle
+        stop_a = connection.watch_disconnect(cycle, lambda: called.append("a"))
+        connection.watch_disconnect(cycle, lambda: called.append("b"))
+        stop_a()
+
+    with socket.create_connection(("127.0.0.1", c.port)) as s:
+        s.sendall(raw_request(completion()))
+        wait_for(lambda: c.decodes[0].seen.active == 1, what="the request's calls")
+        c.call(watch_the_held_request())
+    wait_for(lambda: called == ["b"], what="the watch left to be called")
+    c.all_rpcs_ended()

@@ -142,7 +142,7 @@ class Attempt:
     def __init__(
         self,
         pool: WorkerPool,
-        reap: Callable[[asyncio.Task, object, float], None],
+        reap: Callable[[asyncio.Future, object, float], None],
         pair: PairLease,
         room: int,
         ids: list[int],
@@ -172,8 +172,8 @@ class Attempt:
                               colocated=prefill is None, canary=canary),
             timeout,
         )
-        self._prefill_task = self._prefill_future(loop)
-        self._prefill_task.add_done_callback(self._prefill_done)
+        self._prefill_reply = self._prefill_future(loop)
+        self._prefill_reply.add_done_callback(self._prefill_done)
         self._read: asyncio.Future | None = None
         self._down: set[WorkerHandle] = set()  # this attempt's workers the pool has ejected
         self._ejected: asyncio.Future = loop.create_future()  # wakes next() when _down grows
@@ -196,7 +196,7 @@ class Attempt:
     async def _run_prefill(self) -> wpb.PrefillReply | None:
         return await self._prefill_call
 
-    def _prefill_done(self, task: asyncio.Task) -> None:
+    def _prefill_done(self, task: asyncio.Future) -> None:
         if self.prefill is None:
             return
         self.pair.release_prefill()
@@ -224,33 +224,22 @@ class Attempt:
             stall_at = self._last_heard + self.stall_timeout
             if not self._read.done():  # a chunk already in hand is taken without waiting on anything
                 others = [self._ejected]
-                if not self.got_first and not self._prefill_task.done():
-                    others.append(self._prefill_task)
+                if not self.got_first and not self._prefill_reply.done():
+                    others.append(self._prefill_reply)
                 await wait_read(self._read, others, stall_at)
             if self._read.done():
                 read, self._read = self._read, None
+                if read.cancelled() or read.exception() is not None:
+                    raise rpc_failure(self.decode, asyncio.CancelledError() if read.cancelled() else read.exception())
+                msg = read.result()
+                if msg is grpc.aio.EOF:
+                    return None
                 # WOKEN: another wake-up (below) came first; a chunk that came meanwhile waits for the next read
-                if read.cancelled() or read.exception() is not None or read.result() is not WOKEN:
-                    if read.cancelled() or read.exception() is not None:
-                        raise rpc_failure(self.decode, asyncio.CancelledError() if read.cancelled() else read.exception())
-                    msg = read.result()
-                    if msg is grpc.aio.EOF:
-                        return None
+                if msg is not WOKEN:
                     self._last_heard = loop.time()
                     if not msg.token_ids and not msg.finish_reason:
                         continue  # a keep-alive: decode holds the room and is alive
-                    first = not self.got_first
-                    chunk = Chunk(list(msg.token_ids), list(msg.logprobs), msg.finish_reason,
-                                  cached_tokens=msg.cached_tokens)
-                    if first and self.wants_prompt:
-                        # before got_first: without them the attempt fails over, nothing was sent yet
-                        chunk.prompt = await self._prompt_logprobs(msg)
-                    self.got_first = True
-                    if self.top_logprobs:
-                        chunk.top = [list(zip(t.token_ids, t.logprobs, strict=True)) for t in msg.top_logprobs]
-                        if first and len(chunk.top) < len(chunk.token_ids):
-                            chunk.top.insert(0, await self._first_top())
-                    return chunk
+                    return await self._chunk(msg)
             if self._ejected.done():
                 if self.decode in self._down or not self.got_first:
                     worker = self.decode if self.decode in self._down else self.prefill
@@ -259,13 +248,26 @@ class Attempt:
                 # only prefill was ejected, after decode got the KV: no longer this attempt's concern
                 self._down.discard(self.prefill)
                 self._ejected = loop.create_future()
-            if not self.got_first and self._prefill_task.done():
+            if not self.got_first and self._prefill_reply.done():
                 failure = self._prefill_failure()
                 if failure is not None:
                     raise failure
                 # prefill replied; decode's first token is on its way (the stall clock still runs)
             if loop.time() >= stall_at:
                 raise WorkerFailure(self.decode, None, f"no chunk for {self.stall_timeout:g} s", kind="stalled")
+
+    async def _chunk(self, msg: wpb.DecodeChunk) -> Chunk:
+        first = not self.got_first
+        chunk = Chunk(list(msg.token_ids), list(msg.logprobs), msg.finish_reason, cached_tokens=msg.cached_tokens)
+        if first and self.wants_prompt:
+            # before got_first: without them the attempt fails over, nothing was sent yet
+            chunk.prompt = await self._prompt_logprobs(msg)
+        self.got_first = True
+        if self.top_logprobs:
+            chunk.top = [list(zip(t.token_ids, t.logprobs, strict=True)) for t in msg.top_logprobs]
+            if first and len(chunk.top) < len(chunk.token_ids):
+                chunk.top.insert(0, await self._first_top())
+        return chunk
 
     async def _prompt_logprobs(self, msg: wpb.DecodeChunk) -> PromptLogprobs:
         """The prompt's logprobs: colocated, on decode's first chunk; else in prefill's reply, which
@@ -276,7 +278,7 @@ class Attempt:
             if not msg.HasField("prompt_logprobs"):
                 raise WorkerFailure(self.decode, None, "decode sent no prompt logprobs", kind="error")
             return from_pb(msg.prompt_logprobs)
-        task = self._prefill_task
+        task = self._prefill_reply
         await asyncio.wait((task,), timeout=self.stall_timeout)
         if not task.done():
             raise WorkerFailure(self.prefill, None, f"no prefill reply for {self.stall_timeout:g} s", kind="stalled")
@@ -296,7 +298,7 @@ class Attempt:
             return []
         # asyncio.wait, not wait_for around a shield: a cancel of this task (client gone) must
         # propagate, whatever became of the Prefill call
-        task = self._prefill_task
+        task = self._prefill_reply
         await asyncio.wait((task,), timeout=FIRST_TOP_WAIT_S)
         if not task.done() or task.cancelled() or task.exception() is not None:
             return []
@@ -305,7 +307,7 @@ class Attempt:
         return list(zip(top.token_ids, top.logprobs, strict=True)) if top is not None else []
 
     def _prefill_failure(self) -> WorkerFailure | None:
-        task = self._prefill_task
+        task = self._prefill_reply
         if task.cancelled():
             return WorkerFailure(self.prefill, grpc.StatusCode.CANCELLED, "Prefill RPC cancelled")
         exc = task.exception()
@@ -325,10 +327,10 @@ class Attempt:
             self._read.cancel()
         self._decode_call.cancel()  # no-op when the stream already finished
         self.pair.release_decode()
-        if not self._prefill_task.done():
+        if not self._prefill_reply.done():
             if completed:
-                self._reap(self._prefill_task, self._prefill_call, self.deadline)
+                self._reap(self._prefill_reply, self._prefill_call, self.deadline)
             else:
                 if self._prefill_call is not None:
                     self._prefill_call.cancel()
-                self._prefill_task.cancel()
+                self._prefill_reply.cancel()

@@ -119,9 +119,9 @@ class Orchestrator:
         self.metrics = metrics
         self._reapers: dict[asyncio.Task, asyncio.TimerHandle] = {}  # task → its deadline's timer
 
-    def reap(self, task: asyncio.Task, call, deadline: float) -> None:
-        """Leave `task` (an attempt's Prefill call, whose reply is still on its way) to end in the
-        background, bounded by `deadline`: past it, the call and the task are cancelled. A timer
+    def reap(self, task: asyncio.Future, call, deadline: float) -> None:
+        """Leave `task` (the future of an attempt's Prefill reply, still on its way) to end in the
+        background, bounded by `deadline`: past it, the call and the future are cancelled. A timer
         and a done callback, not a task of its own: the router's hot path."""
         def expire() -> None:
             self._reapers.pop(task, None)
@@ -129,7 +129,7 @@ class Orchestrator:
                 call.cancel()
                 task.cancel()
 
-        def done(_: asyncio.Task) -> None:
+        def done(_: asyncio.Future) -> None:
             timer = self._reapers.pop(task, None)
             if timer is not None:
                 timer.cancel()

@@ -55,7 +55,8 @@ def test_a_token_mismatch_ejects_the_workers_and_health_says_why(mesh: Mesh):
                                                                   "max_tokens": 4}, timeout=30)
         assert reply.status_code == 503, reply.text
     right = mesh.start_router([p], [d], env=env)
-    out = post_json(right.http_url, "/v1/completions", {"model": "pdmesh-tiny", "prompt": "Hi", "max_tokens": 4})
+    out = post_json(right.http_url, "/v1/completions", {"model": "pdmesh-tiny", "prompt": "Hi", "max_tokens": 4,
+                                                                "ignore_eos": True})
     assert out["usage"]["completion_tokens"] == 4
     wait_for(lambda: right.metrics().get("pdmesh:router_num_running_reqs", 1) == 0, 10, "router holds no request")
     mesh.assert_invariants()

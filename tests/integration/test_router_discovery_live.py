@@ -16,7 +16,7 @@ def test_router_resolves_worker_names(mesh):
     assert list(health["prefill"]) == [p.grpc_addr] and list(health["decode"]) == [d.grpc_addr]
     r = httpx.post(
         router.http_url + "/v1/completions",
-        json={"model": "pdmesh-tiny", "prompt": "hello", "max_tokens": 5},
+        json={"model": "pdmesh-tiny", "prompt": "hello", "max_tokens": 5, "ignore_eos": True},
         timeout=30,
     )
     assert r.status_code == 200, r.text

@@ -367,6 +367,24 @@ def write_whole(cycle: RequestResponseCycle, status: int, headers: list[tuple[by
     return True
 
 
+def take_whole_body(scope: dict) -> bytes | None:
+    """The request's body when uvicorn (under the guarded protocol) has all of it already, taken
+    as `receive()` would take it (what receive() returns then comes without a wait, so the body
+    needs no timer); None while some of it is still to come, once taken or when the request is
+    gone, and under another server: the caller then reads it through `receive()`."""
+    cycle = (scope.get("extensions") or {}).get(CYCLE_EXTENSION)
+    if cycle is None or cycle.more_body or cycle.disconnected or cycle.response_complete:
+        return None
+    if not cycle.message_event.is_set():
+        return None  # taken already: receive() would wait for the next message
+    cycle.waiting_for_100_continue = False  # all of it came without waiting for the 100
+    cycle.flow.resume_reading()
+    cycle.message_event.clear()
+    body = bytes(cycle.body)
+    cycle.body = bytearray()
+    return body
+
+
 def watch_disconnect(scope: dict, callback: Callable[[], None]) -> Callable[[], None] | None:
     """GuardedHttpToolsProtocol.watch_disconnect for the request of this ASGI scope; None when
     another server serves it (the caller then waits on `receive()`)."""

@@ -13,6 +13,7 @@ from starlette.requests import Request
 
 from services.common.metrics import Metrics
 from services.router import errors
+from services.router.connection_guard import take_whole_body
 from services.router.grammar_cost import GrammarCost
 from services.router.json_codec import loads
 from services.router.leases import Lease
@@ -39,13 +40,11 @@ class BodyReader:
         """The parsed body and its size in bytes."""
         if self._reads >= self.max_body_reads:
             raise errors.too_many_body_reads(self.max_body_reads)
-        try:
-            with Lease(self._count):
-                async with asyncio.timeout(self.body_timeout):
-                    raw = await self._read(request)
-        except TimeoutError:
-            self.metrics.inc(self.metrics.router_client_cutoffs, reason="body_timeout")
-            raise errors.body_timeout(self.body_timeout) from None
+        raw = take_whole_body(request.scope)  # all of it in already: nothing to wait for, no timer
+        if raw is None:
+            raw = await self._read_in_time(request)
+        elif len(raw) > self.max_body_bytes:
+            raise errors.body_too_large(self.max_body_bytes)
         try:
             return loads(raw), len(raw)
         except RecursionError:
@@ -54,6 +53,15 @@ class BodyReader:
             raise errors.bad_request(
                 f"We could not parse the JSON body of your request ({e}). Send valid JSON.", code="invalid_json"
             ) from None
+
+    async def _read_in_time(self, request: Request) -> bytes:
+        try:
+            with Lease(self._count):
+                async with asyncio.timeout(self.body_timeout):
+                    return await self._read(request)
+        except TimeoutError:
+            self.metrics.inc(self.metrics.router_client_cutoffs, reason="body_timeout")
+            raise errors.body_timeout(self.body_timeout) from None
 
     async def _read(self, request: Request) -> bytes:
         limit = self.max_body_bytes

@@ -25,6 +25,17 @@ def request(body: dict, version: str = "1.1", extra: str = "") -> bytes:
 
 def read_responses(sock: socket.socket, count: int) -> tuple[list[bytes], bool]:
     """`count` whole responses (by their content-length), and whether the server then closed."""
+    out = read_whole_responses(sock, count)
+    sock.settimeout(2)
+    try:
+        closed = sock.recv(1) == b""
+    except TimeoutError:
+        closed = False
+    return out, closed
+
+
+def read_whole_responses(sock: socket.socket, count: int) -> list[bytes]:
+    """`count` whole responses (head and body, by their content-length) off one connection."""
     buf, out = b"", []
     sock.settimeout(10)
     while len(out) < count:
@@ -40,12 +51,7 @@ def read_responses(sock: socket.socket, count: int) -> tuple[list[bytes], bool]:
             rest += chunk
         out.append(head + b"\r\n\r\n" + rest[:length])
         buf = rest[length:]
-    sock.settimeout(2)
-    try:
-        closed = sock.recv(1) == b""
-    except TimeoutError:
-        closed = False
-    return out, closed
+    return out
 
 
 def exchange(c: Cluster, data: bytes, count: int = 1) -> tuple[list[bytes], bool]:

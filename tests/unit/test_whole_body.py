@@ -12,6 +12,7 @@ import pytest
 
 from services.router.request_body import BodyReader
 from tests.unit.test_router_app import cluster, cluster_factory, completion, wait_for  # noqa: F401 - fixtures
+from tests.unit.test_router_whole_response import read_whole_responses
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,20 +27,11 @@ def encoded(body: dict) -> bytes:
 
 
 def read_responses(s: socket.socket, count: int) -> list[tuple[bytes, dict]]:
-    """`count` whole responses (status line, JSON body) read off one keep-alive connection."""
-    data, out = b"", []
-    while len(out) < count:
-        while b"\r\n\r\n" not in data:
-            more = s.recv(65536)
-            assert more, f"connection closed after {len(out)} responses: {data[:200]!r}"
-            data += more
-        header, data = data.split(b"\r\n\r\n", 1)
-        length = int(next(line.split(b":", 1)[1] for line in header.split(b"\r\n")
-                          if line.lower().startswith(b"content-length:")))
-        while len(data) < length:
-            data += s.recv(65536)
-        out.append((header.split(b"\r\n", 1)[0], json.loads(data[:length])))
-        data = data[length:]
+    """`count` whole responses off one keep-alive connection: (status line, JSON body) each."""
+    out = []
+    for response in read_whole_responses(s, count):
+        head, body = response.split(b"\r\n\r\n", 1)
+        out.append((head.split(b"\r\n", 1)[0], json.loads(body)))
     return out
 
 

@@ -6,6 +6,7 @@ Every failure the router reports to a client is an `APIError`; the app turns it 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -87,6 +88,9 @@ _JSON_TYPE_NAMES = (
 def json_type(value: Any) -> str:
     if value is None:
         return "null"
+    if isinstance(value, float) and not math.isfinite(value):
+        # NaN and Infinity are not JSON, though Python's parser takes them: name them as written
+        return "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")
     for kind, name in _JSON_TYPE_NAMES:
         if isinstance(value, kind):
             return name

@@ -27,6 +27,7 @@ from services.common.sampling_params import (
 )
 from services.common.wire import check_declaration, params_from_pb, params_to_pb
 from services.router.errors import APIError
+from services.router.json_codec import loads
 from services.router.orchestrator import sampling_params
 from services.router.protocol import ModelInfo, parse_completion
 
@@ -87,6 +88,17 @@ def test_api_fields_reach_the_workers(name, default, api):
         with pytest.raises(APIError) as e:
             parse_completion({"model": "m", "prompt": "hello", name: value}, INFO)
         assert (e.value.status, e.value.param) == (400, name), value
+
+
+@pytest.mark.parametrize("raw, shown", [("NaN", "NaN"), ("Infinity", "Infinity"), ("-Infinity", "-Infinity"),
+                                        ("1e999", "Infinity")])
+def test_a_number_json_cannot_hold_is_named_as_sent(raw, shown):
+    # Python's JSON parser takes NaN and Infinity (and 1e999 overflows to it); no field takes them
+    body = loads(b'{"model": "m", "prompt": "hello", "temperature": ' + raw.encode() + b"}")
+    with pytest.raises(APIError) as e:
+        parse_completion(body, INFO)
+    assert (e.value.status, e.value.param) == (400, "temperature")
+    assert e.value.message == f"Invalid type for 'temperature': expected a number, but got {shown} instead."
 
 
 def test_the_declaration_and_the_proto_agree():

@@ -15,8 +15,9 @@ with four guards:
   more. A chunked body's framing (chunk sizes, extensions, trailers: httptools buffers a trailer's
   value as it does a header's) is bounded the same way, by `max_header_bytes` beyond the body's
   own bytes: only chunks of a few bytes each come near it. Trailers are dropped, never merged
-  into the request's headers. (A read in which headers end, or a request ends, is not counted: it
-  may be mostly body. So a client can exceed a bound by at most one read, 256 KiB.) The
+  into the request's headers. A read in which the headers (or the trailers) end may be mostly
+  body, so there the parser's own pieces are counted instead: the URL as it is parsed, each
+  header and trailer line as it completes; the first to pass the bound stops the parser. The
   connection then closes as nginx's lingering close does: our side shut for writing, what the
   client still sends read and dropped for `LINGER_SECONDS`, then cut. Closing at once with its
   bytes unread would reset the connection, and a reset can discard the 431 before the client
@@ -59,6 +60,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import (
     HEADER_RE,
     HEADER_VALUE_RE,
@@ -83,6 +85,10 @@ def closing_error(status: int, code: str, message: str) -> bytes:
                                  "code": code}}).encode()
     return b"%scontent-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s" % (
         STATUS_LINE[status], len(body), body)
+
+
+class _OverLimit(Exception):
+    """A parser callback's way to stop httptools mid-read (it raises what a callback raised)."""
 
 
 DEFAULT_MAX_HEADER_BYTES = 64 * 1024
@@ -114,6 +120,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._header_bytes = 0  # received since those began
         self._body_bytes = 0  # the request's body received, and all else since its headers
         self._framing_bytes = 0
+        self._parsed_bytes = 0  # the request line's URL and the header lines parsed since they began
+        self._trailer_bytes = 0  # a chunked body's trailer lines parsed
+        self._over_limit = ""  # the refusal a parser callback stopped the parser for
         self._ended_request = False  # a request ended in the read being parsed
         self._began_body = False  # a request's headers ended in it
         # watch_disconnect's, each under a key of its own: (the request's cycle, the callback)
@@ -205,7 +214,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return  # refused: what it still sends is dropped unparsed
         self._ended_request = self._began_body = False
         body_before = self._body_bytes
-        super().data_received(data)
+        self._feed(data)
         if self._aborted or self._ended_request or self._began_body:
             return
         limit = self.limits.max_header_bytes
@@ -218,9 +227,47 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             if self._framing_bytes > limit + self._body_bytes:
                 self._refuse(_FRAMING_TOO_LARGE % limit)
 
+    def _feed(self, data: bytes) -> None:
+        """uvicorn's data_received, except that a parser stopped by a bound is refused as such,
+        not logged and answered as bytes that are not HTTP."""
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            if self._over_limit:
+                self._refuse(self._over_limit)
+                return
+            msg = "Invalid HTTP request received."
+            self.logger.warning(msg)
+            self.send_400_response(msg)
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+
+    def on_url(self, url: bytes) -> None:
+        self._parsed_bytes += len(url)
+        if self._parsed_bytes > self.limits.max_header_bytes:
+            self._stop_parsing(_HEADERS_TOO_LARGE)
+        super().on_url(url)
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        size = len(name) + len(value) + 4  # "name: value\r\n"
         if self._in_headers:  # not a trailer
+            self._parsed_bytes += size
+            if self._parsed_bytes > self.limits.max_header_bytes:
+                self._stop_parsing(_HEADERS_TOO_LARGE)
             super().on_header(name, value)
+        else:
+            self._trailer_bytes += size
+            if self._trailer_bytes > self.limits.max_header_bytes:
+                self._stop_parsing(_FRAMING_TOO_LARGE)
+
+    def _stop_parsing(self, message: str) -> None:
+        """Raised from a parser callback: httptools stops there, and `_feed` refuses the request."""
+        self._over_limit = message % self.limits.max_header_bytes
+        raise _OverLimit(self._over_limit)
 
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
@@ -231,6 +278,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._in_headers, self._header_bytes, self._ended_request = True, 0, True
 
     def _refuse(self, message: str) -> None:
+        self._over_limit = ""
         self.on_cutoff("header_size")
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
@@ -287,6 +335,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._parsed_bytes = self._trailer_bytes = 0
         self.scope["extensions"] = {CONNECTION_EXTENSION: self}
         self._arm_header_timer()
 

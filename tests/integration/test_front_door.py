@@ -343,6 +343,40 @@ def test_oversized_headers_get_431_and_the_connection_closes(mesh):
     all_free(m, r)
 
 
+def test_headers_over_the_bound_in_the_read_that_ends_them_get_431(mesh):
+    """The bound holds however the bytes arrive: headers sent whole, in the one write (and so
+    mostly the one read) that also ends them, are refused as ones that trickle in are."""
+    m, d, r, _ = mesh
+    port = r.http_port
+    before = cutoffs(r, "header_size")
+    over = HEADER_LIMIT + 8 * 1024
+    line = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n".encode()
+    cases = {
+        "one huge value": line + b"X-Pad: " + b"a" * over + b"\r\n\r\n",
+        "many headers": line + b"".join(b"X-Pad-%d: %s\r\n" % (i, b"a" * 1000) for i in range(over // 1000)) + b"\r\n",
+        "huge url": b"GET /health?q=" + b"a" * over + f" HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode(),
+        "huge trailer": chunked_head(port) + b"2\r\n{}\r\n0\r\nX-Trailer: " + b"a" * over + b"\r\n\r\n",
+    }
+    for name, data in cases.items():
+        s = connect(port)
+        try:
+            s.sendall(data)
+            got = answer(s, time.monotonic() + 15)
+        finally:
+            s.close()
+        assert got.startswith(b"HTTP/1.1 431 "), (name, got[:200])
+        error = json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]
+        assert error["code"] == "request_header_fields_too_large" and str(HEADER_LIMIT) in error["message"], error
+    assert cutoffs(r, "header_size") - before == len(cases)
+    # just under the bound, whole in one write: served
+    s = connect(port)
+    s.sendall(line + b"X-Pad: " + b"a" * (HEADER_LIMIT - 1024) + b"\r\n\r\n")
+    assert s.recv(64).startswith(b"HTTP/1.1 200 ")
+    s.close()
+    normal_request(r)
+    all_free(m, r)
+
+
 def test_deeply_nested_json_is_a_400(mesh):
     m, d, r, _ = mesh
     deep = "[" * 1000 + "]" * 1000

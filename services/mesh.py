@@ -14,6 +14,7 @@ PDMESH_LOG_FORMAT=json is meant for compose and Kubernetes; a flag wins over its
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -73,7 +74,24 @@ def spec(p_dev: str, d_dev: str) -> MeshSpec:
     )
 
 
+def _arguments() -> None:
+    """No flags: the mesh's settings are the environment's PDMESH_* (deploy/pdmesh.env under
+    `make run`), as for compose. `--help` says so, and anything else is refused rather than
+    ignored while a mesh starts."""
+    argparse.ArgumentParser(
+        prog="python -m services.mesh",
+        description="The whole mesh on this machine (prefill, decode and router), on the built-in "
+                    "model unless PDMESH_MODEL names a checkpoint folder, until Ctrl-C. `make run` runs "
+                    "it with deploy/pdmesh.env loaded.",
+        epilog=f"Settings come from the environment, not flags: ports PDMESH_ROUTER_PORT ({ROUTER_PORT}), "
+               f"PDMESH_PREFILL_GRPC_PORT ({PREFILL_GRPC}), PDMESH_PREFILL_HTTP_PORT ({PREFILL_HTTP}), "
+               f"PDMESH_DECODE_GRPC_PORT ({DECODE_GRPC}), PDMESH_DECODE_HTTP_PORT ({DECODE_HTTP}), and every "
+               "service's PDMESH_* twin of its flags (docs/flags.md).",
+    ).parse_args()
+
+
 def main() -> None:
+    _arguments()
     p_dev, d_dev = _devices()
     print(f"[mesh] devices: prefill {p_dev}, decode {d_dev}", flush=True)
     stopping = False

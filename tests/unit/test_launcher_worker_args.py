@@ -3,9 +3,9 @@ name one, so the printed command says each flag once."""
 
 from __future__ import annotations
 
-import pathlib
-import subprocess
 import sys
+
+import pytest
 
 from services import mesh
 from services.launch.launcher import Launcher
@@ -36,15 +36,18 @@ def test_make_run_s_mesh_names_each_worker_s_device_once():
             assert args.count("--device") == 1
 
 
-def test_make_run_s_mesh_answers_help_and_refuses_unknown_flags_without_starting():
-    # the mesh has no flags (its settings are PDMESH_*): --help says so, a flag it does not know
-    # stops it before any service starts (nothing listens, nothing to clean up)
-    def run(*args):
-        return subprocess.run([sys.executable, "-m", "services.mesh", *args], capture_output=True, text=True,
-                              timeout=60, cwd=pathlib.Path(__file__).resolve().parents[2])
 
-    helped = run("--help")
-    assert helped.returncode == 0 and "PDMESH_ROUTER_PORT" in helped.stdout and "[mesh]" not in helped.stdout
-    refused = run("--port", "9000")
-    assert refused.returncode == 2 and "unrecognized arguments" in refused.stderr
-    assert "[mesh]" not in refused.stdout
+def test_make_run_s_mesh_answers_help_and_refuses_unknown_flags_without_starting(monkeypatch, capsys):
+    # the mesh has no flags (its settings are PDMESH_*): --help says so, and a flag it does not
+    # know stops it before it looks for devices or starts anything
+    def no_start(*_):
+        raise AssertionError("the mesh went on to start")
+
+    monkeypatch.setattr(mesh, "_devices", no_start)
+    for argv, code in ((["--help"], 0), (["--port", "9000"], 2)):
+        monkeypatch.setattr(sys, "argv", ["python -m services.mesh", *argv])
+        with pytest.raises(SystemExit) as stopped:
+            mesh.main()
+        assert stopped.value.code == code
+    out = capsys.readouterr()
+    assert "PDMESH_ROUTER_PORT" in out.out and "unrecognized arguments: --port 9000" in out.err

@@ -93,12 +93,21 @@ def test_requests_avoid_the_marked_pair_and_both_workers_keep_serving(broken_pai
         return httpx.post(r.http_url + "/v1/completions", timeout=70, json={
             "model": "pdmesh-tiny", "prompt": f"pair {i}", "max_tokens": 4, "temperature": 0}).status_code
 
+    # the policy picks the least-loaded decode, and each worker's load includes what the canaries
+    # hold there: a batch may happen to use one decode only, so batches go on (a bounded number)
+    # until both cross pairs have served
+    crossed = {(p_bad.grpc_addr, d_ok.grpc_addr), (p_ok.grpc_addr, d_bad.grpc_addr)}
+    sent = 0
     with ThreadPoolExecutor(4) as pool:
-        codes = list(pool.map(one, range(24)))
-    assert codes == [200] * 24
-    pairs = attempts_in_log(r.log())[already:]
-    assert len(pairs) == 24 and bad not in pairs, pairs  # no attempt was sent to the marked pair
-    assert (p_bad.grpc_addr, d_ok.grpc_addr) in pairs and (p_ok.grpc_addr, d_bad.grpc_addr) in pairs
+        for _ in range(4):
+            codes = list(pool.map(one, range(sent, sent + 24)))
+            sent += 24
+            assert codes == [200] * 24
+            pairs = attempts_in_log(r.log())[already:]
+            assert len(pairs) == sent and bad not in pairs, pairs  # no attempt was sent to the marked pair
+            if crossed <= set(pairs):
+                break
+    assert crossed <= set(pairs), pairs
     for w in (p_bad, d_bad):  # each still served through its other peer
         assert w.metrics().get("pdmesh:num_requests_total", 0) > 0, w.role
     m.assert_invariants()

@@ -21,6 +21,7 @@ import subprocess
 import time
 
 from services.common.config import SERVICE_LINK
+from services.common.listening import port_taken
 from services.launch.launcher import Launcher
 from services.launch.local import Local
 from services.launch.spec import MeshSpec, Service
@@ -45,6 +46,21 @@ DECODE_GRPC = _port("PDMESH_DECODE_GRPC_PORT", 50052)
 DECODE_HTTP = _port("PDMESH_DECODE_HTTP_PORT", 8082)
 ROUTER_PORT = _port("PDMESH_ROUTER_PORT", 8000)
 HOST = "127.0.0.1"
+
+
+def _refuse_taken_ports() -> None:
+    """Before anything starts: a port already taken (another mesh on this machine, say) ends the
+    command with the port and its setting named. Started anyway, the services' health checks
+    would be answered by whatever holds the ports, and the mesh would say it is ready when it is
+    not."""
+    ports = {"PDMESH_PREFILL_GRPC_PORT": PREFILL_GRPC, "PDMESH_PREFILL_HTTP_PORT": PREFILL_HTTP,
+             "PDMESH_DECODE_GRPC_PORT": DECODE_GRPC, "PDMESH_DECODE_HTTP_PORT": DECODE_HTTP,
+             "PDMESH_ROUTER_PORT": ROUTER_PORT}
+    taken = [f"{HOST}:{port} ({env}): {why}" for env, port in ports.items() if (why := port_taken(HOST, port))]
+    if taken:
+        raise SystemExit("[mesh] cannot start: another process holds the mesh's ports (is a mesh already "
+                         "running?). Stop it, or set the PDMESH_*_PORT named to a free port:\n  "
+                         + "\n  ".join(taken))
 
 
 def _devices() -> tuple[str, str]:
@@ -92,6 +108,7 @@ def _arguments() -> None:
 
 def main() -> None:
     _arguments()
+    _refuse_taken_ports()
     p_dev, d_dev = _devices()
     print(f"[mesh] devices: prefill {p_dev}, decode {d_dev}", flush=True)
     stopping = False

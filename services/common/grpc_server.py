@@ -35,6 +35,9 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
     ("grpc.http2.max_ping_strikes", 0),
     ("grpc.keepalive_permit_without_calls", 1),
+    # gRPC sets SO_REUSEPORT by default: a second worker on a taken port would then bind too, and
+    # the kernel would split the router's connections between the two
+    ("grpc.so_reuseport", 0),
 ]
 KEEPALIVE_TIME_MS = 2_000
 KEEPALIVE_TIMEOUT_MS = 2_000

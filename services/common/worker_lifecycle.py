@@ -18,6 +18,7 @@ names (what `--faults crash_task=NAME` takes): the role's loops by their key in
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -25,12 +26,13 @@ from typing import Any, NamedTuple
 
 import grpc
 
-from services.common.bind_guard import refuse_insecure_bind
+from services.common.bind_guard import EXIT_CONFIG, refuse_insecure_bind
 from services.common.config import DecodeSettings, PrefillSettings, ignored_env_twins
 from services.common.faults import Faults
 from services.common.forward_watch import watch_forwards
 from services.common.grpc_server import bind, configure_internal_token, new_server
 from services.common.lane_server import refuse_new_calls
+from services.common.listening import port_taken
 from services.common.logging_setup import configure_logging, get_logger
 from services.common.metrics import Metrics
 from services.common.model_name import served_name
@@ -55,6 +57,17 @@ def start_worker_process(role: str, args: PrefillSettings | DecodeSettings) -> t
     if faults.active():
         get_logger(role).warning("FAULT INJECTION ACTIVE: this worker misbehaves on purpose", faults=faults.active())
     return worker_id, faults
+
+
+def refuse_taken_ports(role: str, args: PrefillSettings | DecodeSettings) -> None:
+    """Exit (EXIT_CONFIG, one log line naming the port) when the gRPC or HTTP port is already
+    taken, before anything is served or loaded (services/common/listening.py says why)."""
+    for kind, flag, port in (("gRPC", "--grpc-port", args.grpc_port), ("HTTP", "--http-port", args.http_port)):
+        why = port_taken(args.host, port)
+        if why:
+            get_logger(role).error(f"cannot listen on the {kind} port: another process holds it; stop it or "
+                                   f"choose another {flag}", host=args.host, port=port, error=why)
+            sys.exit(EXIT_CONFIG)
 
 
 class EarlyStatus:
@@ -96,6 +109,7 @@ async def start_worker(role: str, args: PrefillSettings | DecodeSettings) -> Wor
     /health (answering "loading"), the internal token and the bind guard (a worker that must not
     start exits here), and the KV transfer's network settings (before any NIXL agent exists)."""
     worker_id, faults = start_worker_process(role, args)
+    refuse_taken_ports(role, args)
     status = await start_status(role, args, worker_id)
     has_token = configure_internal_token(args.internal_token_file, args.internal_token)
     refuse_insecure_bind(role, args.host, has_token, args.allow_insecure_bind)

@@ -10,12 +10,13 @@ import uvicorn
 
 from services.common.config import RouterSettings, ignored_env_twins, parse_command_line
 from services.common.grpc_server import configure_internal_token
+from services.common.listening import listening_socket
 from services.common.logging_setup import configure_logging, get_logger
 from services.common.parent_death import die_with
 from services.router.app import create_app
 from services.router.connection_guard import ConnectionLimits, guarded_protocol
 from services.router.discovery import split_host_port
-from services.router.processes import STOP_MARGIN, Supervisor, child_identity, listening_socket
+from services.router.processes import STOP_MARGIN, Supervisor, child_identity
 
 
 def main(argv=None) -> None:

@@ -24,13 +24,13 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from services.common.listening import listening_socket
 from services.common.parent_death import arm_in_child
 from services.router.shared_state import SharedState, state_path
 
@@ -43,22 +43,6 @@ LIVED_LONG = 10.0  # a process that served this long resets the backoff
 STOP_MARGIN = 5.0  # seconds a process gets past its --shutdown-timeout before the supervisor kills it
 FOLDER_PREFIX = "pdmesh-router-"
 _REPO = str(Path(__file__).resolve().parents[2])
-
-
-def listening_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
-    """A bound TCP socket for uvicorn; with `reuse_port`, one of several on the same port."""
-    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                      flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind(addr)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 def remove_abandoned(parent: str) -> None:

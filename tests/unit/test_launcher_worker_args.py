@@ -8,7 +8,9 @@ import sys
 import pytest
 
 from services import mesh
+from services.common.listening import listening_socket
 from services.launch.launcher import Launcher
+from services.launch.ports import free_port
 from services.launch.spec import MeshSpec
 
 
@@ -51,3 +53,23 @@ def test_make_run_s_mesh_answers_help_and_refuses_unknown_flags_without_starting
         assert stopped.value.code == code
     out = capsys.readouterr()
     assert "PDMESH_ROUTER_PORT" in out.out and "unrecognized arguments: --port 9000" in out.err
+
+
+def test_make_run_s_mesh_refuses_ports_already_taken_before_starting_anything(monkeypatch):
+    # a second `make run` beside a first one: started anyway, its health checks would be answered
+    # by the first mesh's services and it would say "ready"
+    def no_start(*_):
+        raise AssertionError("the mesh went on to start")
+
+    monkeypatch.setattr(mesh, "_devices", no_start)
+    monkeypatch.setattr(sys, "argv", ["python -m services.mesh"])
+    free = [free_port() for _ in range(5)]
+    for name, port in zip(("PREFILL_GRPC", "PREFILL_HTTP", "DECODE_GRPC", "DECODE_HTTP", "ROUTER_PORT"), free):
+        monkeypatch.setattr(mesh, name, port)
+    with listening_socket("127.0.0.1", free[4], reuse_port=False) as held:
+        held.listen()
+        with pytest.raises(SystemExit) as stopped:
+            mesh.main()
+    message = str(stopped.value.code)
+    assert f"127.0.0.1:{free[4]} (PDMESH_ROUTER_PORT)" in message and "Address already in use" in message
+    assert all(str(port) not in message for port in free[:4])

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from services.common.listening import listening_socket
+from services.common.listening import port_taken
 from services.common.parent_death import arm_in_child
 from services.router.shared_state import SharedState, state_path
 
@@ -78,10 +78,11 @@ class Supervisor:
         self._arm = arm_in_child(os.getpid())  # the supervisor has no threads: preexec_fn is safe
 
     def run(self) -> int:
-        try:  # the port must be free (or shared only with SO_REUSEPORT sockets of ours) before any start
-            listening_socket(self.host, self.port, reuse_port=True).close()
-        except OSError as e:
-            self.log.error("cannot bind the router's port", host=self.host, port=self.port, error=str(e))
+        # the port must be free before any start: the processes share it with SO_REUSEPORT, and a
+        # check that set it too would let another router's processes (same user) share it with ours
+        why = port_taken(self.host, self.port)
+        if why:
+            self.log.error("cannot bind the router's port", host=self.host, port=self.port, error=why)
             return 1
         shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
         remove_abandoned(shm)

@@ -16,6 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.common.listening import listening_socket
 from services.fakes.workers import Behaviour, FakeDecode, FakePrefill
 from services.launch.ports import free_port
 from services.launch.proc import run_service, service_command, spawn
@@ -288,11 +289,10 @@ def test_a_killed_supervisor_takes_its_processes_with_it(fakes, routers):
         httpx.get(r.url + "/health", timeout=2)
 
 
-def test_a_taken_port_fails_at_start(fakes, routers):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+@pytest.mark.parametrize("reuse_port", [False, True], ids=["plain", "another-router-s-processes"])
+def test_a_taken_port_fails_at_start(fakes, routers, reuse_port):
+    # also a port held by another router's processes, which would take a process of ours into their share
+    with listening_socket("127.0.0.1", free_port(), reuse_port=reuse_port) as s:
         s.listen()
         port = s.getsockname()[1]
         out = run_service("router", ["--port", str(port), "--prefill", fakes.prefill.addr, "--decode",

@@ -36,8 +36,10 @@ $(PROTO_STAMP): $(PROTO_SRC) $(RUNTIME_STAMP) scripts/gen_proto.py
 
 proto: $(PROTO_STAMP)
 
+# The env file gives what the environment does not: `PDMESH_MODEL=/models/x make run` (or `make run
+# PDMESH_MODEL=...`) wins over the file, as a shell's variables win over compose's .env.
 run: venv proto
-	set -a && . ./$(ENV_FILE) && set +a && exec $(PY) -m services.mesh
+	@user_env="$$(export -p)" && set -a && . "$(abspath $(ENV_FILE))" && set +a && eval "$$user_env" && exec $(PY) -m services.mesh
 
 # tests/compose (containers) runs as its own step, compose-test, which skips with a message when
 # this machine has no container engine; tests/clients (real clients from their own venv) runs as

@@ -37,7 +37,7 @@ $(PROTO_STAMP): $(PROTO_SRC) $(RUNTIME_STAMP) scripts/gen_proto.py
 proto: $(PROTO_STAMP)
 
 # The env file gives what the environment does not: `PDMESH_MODEL=/models/x make run` (or `make run
-# PDMESH_MODEL=...`) wins over the file, as a shell's variables win over compose's .env.
+# PDMESH_MODEL=...`) wins over the file.
 run: venv proto
 	@user_env="$$(export -p)" && set -a && . "$(abspath $(ENV_FILE))" && set +a && eval "$$user_env" && exec $(PY) -m services.mesh
 

@@ -1,6 +1,5 @@
 """`make run` reads deploy/pdmesh.env (or ENV_FILE) for what the environment does not set: a
-variable given in the shell or on make's command line wins over the file, as a shell's variables
-win over compose's .env. The recipe runs as written, with PY replaced by a script that prints
+variable given in the shell or on make's command line wins over the file. The recipe runs as written, with PY replaced by a script that prints
 what the mesh would have been started with."""
 
 from __future__ import annotations

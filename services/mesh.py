@@ -15,13 +15,16 @@ PDMESH_LOG_FORMAT=json is meant for compose and Kubernetes; a flag wins over its
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shlex
 import signal
 import subprocess
 import time
 
 from services.common.config import SERVICE_LINK
 from services.common.listening import port_taken
+from services.common.model_name import served_name
 from services.launch.launcher import Launcher
 from services.launch.local import Local
 from services.launch.spec import MeshSpec, Service
@@ -61,6 +64,17 @@ def _refuse_taken_ports() -> None:
         raise SystemExit("[mesh] cannot start: another process holds the mesh's ports (is a mesh already "
                          "running?). Stop it, or set the PDMESH_*_PORT named to a free port:\n  "
                          + "\n  ".join(taken))
+
+
+def example_curl() -> str:
+    """A request that works against this mesh as configured: its model's served name (not always
+    the built-in one), and the API key's header when PDMESH_API_KEY is set."""
+    model = served_name(os.environ.get("PDMESH_MODEL", "") or "builtin",
+                        os.environ.get("PDMESH_SERVED_MODEL_NAME", ""))
+    auth = " -H \"Authorization: Bearer $PDMESH_API_KEY\"" if os.environ.get("PDMESH_API_KEY") else ""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
+    return (f"curl http://{HOST}:{ROUTER_PORT}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+            f"  -d {shlex.quote(body)}")
 
 
 def _devices() -> tuple[str, str]:
@@ -128,10 +142,7 @@ def main() -> None:
             raise SystemExit(f"[mesh] {e}") from None
         print(
             f"\n[mesh] ready: router http://{HOST}:{ROUTER_PORT}  prefill metrics http://{HOST}:{PREFILL_HTTP}/metrics  "
-            f"decode metrics http://{HOST}:{DECODE_HTTP}/metrics\n\n"
-            f"curl http://{HOST}:{ROUTER_PORT}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-            "  -d '{\"model\": \"pdmesh-tiny\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], "
-            "\"max_tokens\": 32}'\n\n[mesh] Ctrl-C stops everything.",
+            f"decode metrics http://{HOST}:{DECODE_HTTP}/metrics\n\n{example_curl()}\n\n[mesh] Ctrl-C stops everything.",
             flush=True,
         )
         while not stopping and all(p.alive() for p in mesh.procs):

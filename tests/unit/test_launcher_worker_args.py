@@ -73,3 +73,16 @@ def test_make_run_s_mesh_refuses_ports_already_taken_before_starting_anything(mo
     message = str(stopped.value.code)
     assert f"127.0.0.1:{free[4]} (PDMESH_ROUTER_PORT)" in message and "Address already in use" in message
     assert all(str(port) not in message for port in free[:4])
+
+
+def test_make_run_s_printed_curl_names_the_served_model_and_the_key_when_set(monkeypatch, tmp_path):
+    for name in ("PDMESH_MODEL", "PDMESH_SERVED_MODEL_NAME", "PDMESH_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    assert '"model": "pdmesh-tiny"' in mesh.example_curl() and "Authorization" not in mesh.example_curl()
+    monkeypatch.setenv("PDMESH_MODEL", str(tmp_path / "qwen-tiny"))
+    assert '"model": "qwen-tiny"' in mesh.example_curl()
+    monkeypatch.setenv("PDMESH_SERVED_MODEL_NAME", "chat-model,alias")
+    monkeypatch.setenv("PDMESH_API_KEY", "secret")
+    curl = mesh.example_curl()
+    assert '"model": "chat-model"' in curl and "secret" not in curl
+    assert '-H "Authorization: Bearer $PDMESH_API_KEY"' in curl

@@ -51,7 +51,7 @@ class StructuredOutputs(_Body):
 
 
 class _Sampling(_Body):
-    model: str = Field(description="The served model name (see GET /v1/models)")
+    model: str | None = Field(None, description="The served model name (see GET /v1/models); left out, the model this router serves")
     max_tokens: int | None = Field(None, ge=1, description="Tokens to generate (prompt + max_tokens ≤ context)")
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, ge=0, le=1, description="0 means only the most likely token")
@@ -244,7 +244,7 @@ class ReasoningConfig(_Body):
 class ResponsesRequest(_Body):
     """OpenAI's Responses API, stateless (services/router/responses_request.py)."""
 
-    model: str = Field(description="The served model name (see GET /v1/models)")
+    model: str | None = Field(None, description="The served model name (see GET /v1/models); left out, the model this router serves")
     input: str | list[InputMessage | FunctionCallItem | FunctionCallOutputItem] = Field(min_length=1)
     instructions: str | None = Field(None, description="A system message before the input")
     max_output_tokens: int | None = Field(None, ge=1)
@@ -270,8 +270,8 @@ def component_schemas(model_names: list[str]) -> dict[str, Any]:
     _, top = models_json_schema([(m, "validation") for m in MODELS], ref_template="#/components/schemas/{model}")
     schemas = top.get("$defs", {})
     for model in MODELS:
-        prop = schemas[model.__name__]["properties"]["model"]
-        prop.update(type="string", enum=list(model_names))
+        props = schemas[model.__name__]["properties"]
+        props["model"] = {"type": "string", "enum": list(model_names), "description": props["model"]["description"]}
     return schemas
 
 

@@ -145,9 +145,11 @@ class GenerateSpec:
 
 
 def _check_model(body: dict, info: ModelInfo) -> str:
+    """The served name. Left out (or null, or empty) it is this router's model, as vLLM and SGLang
+    serve it: curl users often send no `model`, and there is only one to choose."""
     model = body.get("model")
-    if model is None:
-        raise bad_request("You must provide a model parameter.", param="model", code="missing_required_parameter")
+    if model is None or model == "":
+        return info.name
     if not isinstance(model, str):
         raise invalid_type("model", "a string", model)
     if model != info.name and model not in info.aliases:

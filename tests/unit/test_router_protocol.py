@@ -113,7 +113,6 @@ def test_echo():
 @pytest.mark.parametrize(
     "kw,param",
     [
-        ({"model": None}, "model"),
         ({"model": 3}, "model"),
         ({"prompt": None}, "prompt"),
         ({"prompt": 5}, "prompt"),
@@ -204,6 +203,14 @@ def test_completion_bad_inputs(kw, param):
 )
 def test_chat_bad_inputs(kw, param):
     rejects(chat, param=param, **kw)
+
+
+def test_a_missing_model_is_the_served_one():
+    # as vLLM and SGLang: a body without `model` (or with null or "") asks for the model served
+    for body in ({"prompt": "hello"}, {"prompt": "hello", "model": None}, {"prompt": "hello", "model": ""}):
+        assert parse_completion(body, INFO).model == "m"
+    assert parse_chat({"messages": MSGS}, INFO).model == "m"
+    assert parse_completion({"prompt": "x", "model": "builtin"}, INFO).model == "m"  # an alias answers as the name
 
 
 def test_unknown_model_is_404():

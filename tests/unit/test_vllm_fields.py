@@ -68,7 +68,7 @@ def _ids(spec):
 
 # field -> (extra fields of both bodies, the field's value, what must differ from the body without it)
 SHARED_EFFECTS = {
-    "model": ({}, "m", None),  # required: the body without it is a 400
+    "model": ({}, "m", None),  # optional: left out, the served model (test_a_missing_model_is_the_served_one)
     "frequency_penalty": ({}, 0.5, lambda s: _wire(s).frequency_penalty),
     "presence_penalty": ({}, 0.5, lambda s: _wire(s).presence_penalty),
     "logit_bias": ({}, {"5": 3}, lambda s: _wire(s).logit_bias),

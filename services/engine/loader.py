@@ -136,5 +136,3 @@ def _load_state(model: CausalLM, state: dict[str, torch.Tensor], folder: pathlib
     model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False, assign=True)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
-    # Buffers created on the meta device (rotary inv_freq) must be rebuilt for real.
-    model.model.rotary_emb = type(model.model.rotary_emb)(model.config)

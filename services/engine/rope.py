@@ -11,7 +11,9 @@ from services.engine.model_config import ModelConfig
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    # on the CPU also while a model is built on the meta device: meta arithmetic runs through
+    # torch._refs, whose first call imports torch._dynamo (about a second of a worker's start)
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     scaling = config.rope_scaling
     if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
         inv_freq = _llama3_rescale(inv_freq, scaling)

@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import grpc
 
@@ -42,6 +42,8 @@ from services.common.status_server import StatusServer
 from services.common.supervision import ServingState, Supervisor
 from services.common.worker_http import probe_loop_lag, serve_worker_http
 from services.transfer.network import Transport, configure_transport
+
+T = TypeVar("T")
 
 DRAIN_POLL = 0.05  # seconds between looks at the rooms a stopping worker still holds
 
@@ -68,6 +70,18 @@ def refuse_taken_ports(role: str, args: PrefillSettings | DecodeSettings) -> Non
             get_logger(role).error(f"cannot listen on the {kind} port: another process holds it; stop it or "
                                    f"choose another {flag}", host=args.host, port=port, error=why)
             sys.exit(EXIT_CONFIG)
+
+
+async def load_engine(role: str, load: Callable[[], T]) -> T:
+    """`load()` (the engine: model, KV pool) on a thread, while /health answers "loading". What
+    the settings or the checkpoint cannot give (a missing folder or file, an unsupported
+    architecture, a KV budget under one page, a device this machine lacks: ValueError, OSError)
+    ends the worker with one log line naming it (EXIT_CONFIG), not a traceback."""
+    try:
+        return await asyncio.to_thread(load)
+    except (ValueError, OSError) as e:
+        get_logger(role).error(f"cannot load the model: {e}", error=type(e).__name__)
+        sys.exit(EXIT_CONFIG)
 
 
 class EarlyStatus:

@@ -6,7 +6,7 @@ import asyncio
 
 from services.common.config import DecodeSettings, service_settings
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
-from services.common.worker_lifecycle import WorkerParts, run_worker, start_worker
+from services.common.worker_lifecycle import WorkerParts, load_engine, run_worker, start_worker
 from services.decode import watchdog
 from services.decode.servicer import DecodeServicer
 from services.decode.worker import DecodeWorker
@@ -21,7 +21,7 @@ async def serve(argv=None) -> None:
     args = service_settings("decode", DecodeSettings, argv)
     start = await start_worker("decode", args)  # /health answers while the model loads
     faults, metrics = start.faults, start.status.metrics
-    engine = await asyncio.to_thread(WorkerEngine.from_settings, args, faults)
+    engine = await load_engine("decode", lambda: WorkerEngine.from_settings(args, faults))
     agent = NixlAgent.for_pool("decode", engine.pool)
     receiver = KVReceiver(agent, engine.pool, verify_checksum=args.kv_checksum, corrupt_kv=faults.corrupt_kv,
                           fault_seed=faults.fault_seed, corrupt_kv_read=faults.corrupt_kv_read)

@@ -7,7 +7,7 @@ import math
 
 from services.common.config import PrefillSettings, service_settings
 from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
-from services.common.worker_lifecycle import WorkerParts, run_worker, start_worker
+from services.common.worker_lifecycle import WorkerParts, load_engine, run_worker, start_worker
 from services.engine.worker_engine import WorkerEngine
 from services.prefill import watchdog
 from services.prefill.servicer import PrefillServicer
@@ -22,7 +22,7 @@ async def serve(argv=None) -> None:
     args = service_settings("prefill", PrefillSettings, argv)
     start = await start_worker("prefill", args)  # /health answers while the model loads
     faults, metrics = start.faults, start.status.metrics
-    engine = await asyncio.to_thread(WorkerEngine.from_settings, args, faults)
+    engine = await load_engine("prefill", lambda: WorkerEngine.from_settings(args, faults))
     agent = NixlAgent.for_pool("prefill", engine.pool)
     sender = KVSender(
         agent,

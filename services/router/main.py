@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import uvicorn
 
+from services.common.bind_guard import EXIT_CONFIG
 from services.common.config import RouterSettings, ignored_env_twins, parse_command_line
 from services.common.grpc_server import configure_internal_token
 from services.common.listening import listening_socket
@@ -85,7 +86,11 @@ def main(argv=None) -> None:
     if child is not None:
         settings = replace(settings, process_index=child[0], shared_dir=child[1])
         sockets = [listening_socket(args.host, args.port, reuse_port=True)]
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except (ValueError, OSError) as e:  # the tokenizer or chat template the settings name
+        log.error(f"cannot load the model's tokenizer or chat template: {e}", error=type(e).__name__)
+        sys.exit(EXIT_CONFIG)
     limits = ConnectionLimits(args.header_timeout, args.client_write_timeout, args.max_connections,
                               args.max_header_bytes)
     config = server_config(app, limits, host=args.host, port=args.port,

@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from services.common.bind_guard import EXIT_CONFIG
 from services.common.listening import port_taken
 from services.common.parent_death import arm_in_child
 from services.router.shared_state import SharedState, state_path
@@ -75,6 +76,7 @@ class Supervisor:
         self.backoff = [RESTART_MIN] * processes
         self.due: list[float | None] = [None] * processes  # when a dead process is replaced
         self.stop_signal: int | None = None
+        self.refused: int | None = None  # a process exited EXIT_CONFIG: its settings are every process's
         self._arm = arm_in_child(os.getpid())  # the supervisor has no threads: preexec_fn is safe
 
     def run(self) -> int:
@@ -97,7 +99,7 @@ class Supervisor:
                 self._spawn(i)
             self.log.info("router processes started", processes=self.processes, port=self.port,
                           pids=[c.pid for c in self.children if c is not None])
-            while self.stop_signal is None:
+            while self.stop_signal is None and self.refused is None:
                 self._tend()
                 time.sleep(0.1)
             return self._stop()
@@ -141,6 +143,11 @@ class Supervisor:
                     child.kill()
                 continue
             self.state.clear_row(i)  # what it had admitted and in flight no longer counts
+            if code == EXIT_CONFIG:  # a replacement would refuse the same settings: stop, and say so
+                self.log.error("router process refused its settings; stopping the router", process=i,
+                               pid=child.pid, exit_code=code)
+                self.refused = code
+                return
             lived = now - self.started[i]
             self.backoff[i] = RESTART_MIN if lived >= LIVED_LONG else min(RESTART_MAX, self.backoff[i] * 2)
             self.due[i] = now + self.backoff[i]
@@ -148,7 +155,7 @@ class Supervisor:
                            lived_s=round(lived, 1), restart_in_s=self.backoff[i])
 
     def _stop(self) -> int:
-        self.log.info("router stopping", signal=signal.Signals(self.stop_signal).name)
+        self.log.info("router stopping", signal=signal.Signals(self.stop_signal).name if self.stop_signal else None)
         live = [c for c in self.children if c is not None and c.poll() is None]
         for child in live:
             with contextlib.suppress(ProcessLookupError):
@@ -161,4 +168,4 @@ class Supervisor:
                 self.log.warning("router process did not stop in time; killing it", pid=child.pid)
                 child.kill()
                 child.wait()
-        return 0
+        return self.refused or 0

@@ -16,6 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.common.bind_guard import EXIT_CONFIG
 from services.common.listening import listening_socket
 from services.fakes.workers import Behaviour, FakeDecode, FakePrefill
 from services.launch.ports import free_port
@@ -298,6 +299,20 @@ def test_a_taken_port_fails_at_start(fakes, routers, reuse_port):
         out = run_service("router", ["--port", str(port), "--prefill", fakes.prefill.addr, "--decode",
                                      fakes.decode.addr, "--processes", "2", "--log-format", "json"])
     assert out.returncode == 1 and "cannot bind the router's port" in out.stderr + out.stdout
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_a_tokenizer_that_cannot_load_stops_the_router_with_one_line(fakes, tmp_path, processes):
+    # a replacement process would refuse the same settings: the supervisor stops instead of
+    # restarting processes forever
+    out = run_service("router", ["--port", str(free_port()), "--prefill", fakes.prefill.addr, "--decode",
+                                 fakes.decode.addr, "--processes", processes, "--model", str(tmp_path / "gone"),
+                                 "--log-format", "json"], timeout=60)
+    text = out.stdout + out.stderr
+    assert out.returncode == EXIT_CONFIG and "Traceback" not in text, text[-3000:]
+    assert "cannot load the model's tokenizer or chat template" in text and str(tmp_path / "gone") in text
+    if processes == "2":
+        assert "refused its settings; stopping the router" in text and "replacing it" not in text
 
 
 @pytest.mark.parametrize("flags", [("--processes", "0"), ("--processes", "2", "--port", "0"),

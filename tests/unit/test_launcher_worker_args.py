@@ -64,7 +64,7 @@ def test_make_run_s_mesh_refuses_ports_already_taken_before_starting_anything(mo
     monkeypatch.setattr(mesh, "_devices", no_start)
     monkeypatch.setattr(sys, "argv", ["python -m services.mesh"])
     free = [free_port() for _ in range(5)]
-    for name, port in zip(("PREFILL_GRPC", "PREFILL_HTTP", "DECODE_GRPC", "DECODE_HTTP", "ROUTER_PORT"), free):
+    for name, port in zip(("PREFILL_GRPC", "PREFILL_HTTP", "DECODE_GRPC", "DECODE_HTTP", "ROUTER_PORT"), free, strict=True):
         monkeypatch.setattr(mesh, name, port)
     with listening_socket("127.0.0.1", free[4], reuse_port=False) as held:
         held.listen()

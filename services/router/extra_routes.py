@@ -26,7 +26,7 @@ from services.router import errors
 from services.router.errors import APIError
 from services.router.getters import get_bool, is_int
 from services.router.prompts import chat_prompt, check_ids, truncate
-from services.router.protocol import completion_prompt
+from services.router.protocol import completion_prompt, served_model
 from services.router.request_body import PARSE_IN_THREAD_BYTES
 from services.router.tools import parse_tools
 
@@ -48,15 +48,10 @@ def register(app: FastAPI, router: Any) -> None:
     """Add the routes to `app`, served by `router` (services.router.service.Router)."""
     info = router.info
 
-    def check_model(body: dict) -> None:
-        model = body.get("model")
-        if model is not None and model != info.name and model not in info.aliases:
-            raise errors.model_not_found(str(model), info.name)
-
     def tokenize(body: Any) -> dict[str, Any]:
         if not isinstance(body, dict):
             raise errors.bad_request("The request body must be a JSON object.", code="invalid_json")
-        check_model(body)
+        served_model(body, info)
         if "messages" in body:
             tools = parse_tools(body, info.tool_parser, info.tokenizer)
             ids = chat_prompt(body, info.tokenizer, tools)
@@ -72,7 +67,7 @@ def register(app: FastAPI, router: Any) -> None:
     def detokenize(body: Any) -> dict[str, Any]:
         if not isinstance(body, dict):
             raise errors.bad_request("The request body must be a JSON object.", code="invalid_json")
-        check_model(body)
+        served_model(body, info)
         tokens = body.get("tokens")
         if tokens is None:
             raise errors.bad_request("You must provide tokens.", param="tokens", code="missing_required_parameter")

@@ -144,7 +144,7 @@ class GenerateSpec:
 # --- shared fields ----------------------------------------------------------------------------
 
 
-def _check_model(body: dict, info: ModelInfo) -> str:
+def served_model(body: dict, info: ModelInfo) -> str:
     """The served name. Left out (or null, or empty) it is this router's model, as vLLM and SGLang
     serve it: curl users often send no `model`, and there is only one to choose."""
     model = body.get("model")
@@ -442,7 +442,7 @@ def parse_completion(body: Any, info: ModelInfo) -> GenerateSpec:
     """One spec; a batched prompt gives one per prompt in `batch` (choices indexed prompt i x n + j)."""
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
-    model = _check_model(body, info)
+    model = served_model(body, info)
     body = _with_defaults(body, info)
     kw = _common(body, info, "completion")
     logprobs = get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
@@ -487,7 +487,7 @@ def completion_prompt(body: dict, tokenizer: Tokenizer) -> Prompt:
 def parse_chat(body: Any, info: ModelInfo) -> GenerateSpec:
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
-    model = _check_model(body, info)
+    model = served_model(body, info)
     body = _with_defaults(body, info)
     tools = parse_tools(body, info.tool_parser, info.tokenizer, info.limits)
     kw = _common(body, info, "chat")

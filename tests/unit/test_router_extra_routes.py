@@ -41,6 +41,10 @@ def test_tokenize_and_detokenize_refuse_bad_input(cluster):  # noqa: F811
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
     r = httpx.post(cluster.url + "/tokenize", json={"model": "other", "prompt": "x"})
     assert r.status_code == 404
+    # the generation routes' reading of `model`: not a string is a 400, empty is the served model
+    r = httpx.post(cluster.url + "/tokenize", json={"model": 3, "prompt": "x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+    assert httpx.post(cluster.url + "/tokenize", json={"model": "", "prompt": "x"}).status_code == 200
     r = httpx.post(cluster.url + "/tokenize", content=b"{not json")
     assert r.status_code == 400
 

@@ -70,6 +70,10 @@ class ResponseState:
         # later attempts send prompt + generated ids, which is not what the client's prompt was
         self.cached_tokens: int | None = None
         self.finish_reason: str | None = None
+        # vLLM's stop_reason: the stop string that matched, or the stop token id (one of the
+        # client's stop_token_ids, or an eos id other than the tokenizer's own, as vLLM counts
+        # generation_config's); None for the tokenizer's eos, a length cut, or no stop yet
+        self.stop_reason: str | int | None = None
         self.entries: list[Entry] = []  # for the body
         self._echo_pending = spec.echo
         self.tool_format: ToolFormat | None = (
@@ -119,12 +123,15 @@ class ResponseState:
             # The token that made decode stop (eos or a stop_token_id) is counted but not shown.
             if not (chunk.finish_reason == "stop" and i == n - 1):
                 texts.append(self.out.add(token))
+            else:
+                self.stop_reason = self._stop_token_reason(token)
             if self.spec.logprobs is not None:
                 lp = chunk.logprobs[i] if i < len(chunk.logprobs) else float("nan")
                 top = chunk.top[i] if chunk.top is not None and i < len(chunk.top) else None
                 entries.append((token, lp, offset, top))
             if self.out.stopped:
                 self.finish_reason = "stop"
+                self.stop_reason = self.out.matched_stop
                 break
         if chunk.finish_reason and not self.out.stopped and not self.spec.echo_only:
             texts.append(self.out.finish())
@@ -176,9 +183,14 @@ class ResponseState:
             finish_reason = chunk.finish_reason if i == last else ""
             self.completion_tokens += 1
             # the token that made decode stop (eos or a stop_token_id) is counted but not shown
-            text = "" if finish_reason == "stop" else add(token)
+            if finish_reason == "stop":
+                text = ""
+                self.stop_reason = self._stop_token_reason(token)
+            else:
+                text = add(token)
             if self.out.stopped:
                 self.finish_reason = "stop"
+                self.stop_reason = self.out.matched_stop
                 out.append((text, [], "stop"))
                 break
             if finish_reason:
@@ -186,6 +198,12 @@ class ResponseState:
                 self.finish_reason = finish_reason
             out.append((text, [], self.finish_reason))
         return out
+
+    def _stop_token_reason(self, token: int) -> int | None:
+        if token in self.spec.stop_token_ids:
+            return token
+        eos = self._tokenizer.eos_token_ids
+        return token if token in eos[1:] else None
 
     @property
     def text(self) -> str:
@@ -350,6 +368,7 @@ class ResponseState:
                 "text": self.text,
                 "logprobs": self._completion_logprobs(self.entries) if logprobs else None,
                 "finish_reason": self.finish_reason,
+                "stop_reason": self.stop_reason,
             }
             if self.spec.return_token_ids:
                 out.update(prompt_token_ids=self.spec.prompt_ids, token_ids=self.token_ids)
@@ -362,6 +381,7 @@ class ResponseState:
             "message": message,
             "logprobs": self._chat_logprobs(self.entries) if logprobs else None,
             "finish_reason": finish_reason,
+            "stop_reason": self.stop_reason,
         }
         if self.spec.return_token_ids:
             out["token_ids"] = self.token_ids
@@ -442,6 +462,7 @@ class ResponseState:
                 "text": text,
                 "logprobs": self._completion_logprobs(entries) if entries else None,
                 "finish_reason": finish_reason,
+                "stop_reason": self.stop_reason if finish_reason is not None else None,
             }
             if self.spec.return_token_ids:
                 if not self._prompt_ids_sent:
@@ -460,6 +481,8 @@ class ResponseState:
                 "logprobs": self._chat_logprobs(entries) if entries else None,
                 "finish_reason": finish_reason,
             }
+            if finish_reason is not None:
+                choice["stop_reason"] = self.stop_reason  # vLLM's chat chunks carry it on the last one
             if self.spec.return_token_ids:
                 choice["token_ids"] = ids
         return self._chunk([choice])

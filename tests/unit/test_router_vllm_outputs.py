@@ -157,3 +157,40 @@ def test_return_token_ids(cluster):  # noqa: F811
     plain = httpx.post(cluster.url + "/v1/completions", json={**body, "return_token_ids": False}).json()
     assert "token_ids" not in plain["choices"][0]
     cluster.all_rpcs_ended()
+
+
+def test_stop_reason_names_what_stopped_each_choice(cluster):  # noqa: F811
+    """vLLM's stop_reason: the stop string, a stop token's id (the client's, or an eos id that is not
+    the tokenizer's own), null for the tokenizer's eos and for a length cut."""
+    url = cluster.url + "/v1/completions"
+    eos, other_eos = TOK.eos_token_ids[:2]
+
+    def reason(decode_script: list[int], route: str = "/v1/completions", **kw) -> tuple[str, object]:
+        cluster.decodes[0].script = decode_script
+        body = ({"model": MODEL, "prompt": "x", "max_tokens": 10, **kw} if route == "/v1/completions" else
+                {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10, **kw})
+        choice = httpx.post(cluster.url + route, json=body, timeout=30).json()["choices"][0]
+        assert "stop_reason" in choice
+        return choice["finish_reason"], choice["stop_reason"]
+
+    hello = list(b"Hello, world! ")
+    assert reason(hello, stop=[", w", "!"]) == ("stop", ", w")
+    assert reason(hello, stop_token_ids=[ord("o")]) == ("stop", ord("o"))
+    assert reason(hello) == ("length", None)
+    assert reason([*b"Hi", eos]) == ("stop", None)
+    assert reason([*b"Hi", other_eos]) == ("stop", other_eos)
+    assert reason(hello, "/v1/chat/completions", stop=["lo"]) == ("stop", "lo")
+    assert reason([*b"Hi", eos], "/v1/chat/completions") == ("stop", None)
+
+    # streamed: completions carry it on every chunk (null until the end), chat on the last one
+    cluster.decodes[0].script = hello
+    events = _events(url, {"model": MODEL, "prompt": "x", "max_tokens": 10, "stop": ["wor"], "stream": True})
+    assert [e["choices"][0]["stop_reason"] for e in events] == [None] * (len(events) - 1) + ["wor"]
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    events = _events(cluster.url + "/v1/chat/completions",
+                     {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10,
+                      "stop_token_ids": [ord(" ")], "stream": True})
+    last = events[-1]["choices"][0]
+    assert last["finish_reason"] == "stop" and last["stop_reason"] == ord(" ")
+    assert all("stop_reason" not in e["choices"][0] for e in events[:-1])
+    cluster.all_rpcs_ended()

@@ -1,7 +1,8 @@
 """A real Hugging Face folder (a transformers-built Llama with an 8,192-token context) served
 with --max-model-len 2048 and a KV budget in bytes, on real prefill + decode processes:
 
-- both workers log the pool's token capacity at start (`kv cache sized`);
+- both workers log the pool's token capacity at start (`kv cache sized`) and report it, with
+  their --max-model-len, in the router's /health;
 - a request longer than 2,048 tokens is a clear 400 from the router;
 - a chat request without max_tokens asks for no more than the decode pool holds (it runs to
   `length` at exactly the pool's capacity, not at the context length);
@@ -69,8 +70,13 @@ def test_workers_log_their_token_capacity(served):
         assert sized, worker.log()[-2000:]
         assert sized[0]["tokens"] == PAGES * 16 and sized[0]["source"] == "kv-cache-memory-bytes"
         assert sized[0]["max_model_len"] == MAX_MODEL_LEN
-    decodes = list(r.health()["decode"].values())
-    assert decodes[0]["kv_capacity_tokens"] == PAGES * 16 and decodes[0]["max_model_len"] == MAX_MODEL_LEN
+    # both roles report what they hold in /health (the prefill's Load report reaches the router
+    # with its first probe, like the decode's)
+    wait_for(lambda: all(w["kv_capacity_tokens"] for role in ("prefill", "decode") for w in r.health()[role].values()),
+             20, "the router to learn both pools' capacity")
+    for role in ("prefill", "decode"):
+        workers = list(r.health()[role].values())
+        assert workers[0]["kv_capacity_tokens"] == PAGES * 16 and workers[0]["max_model_len"] == MAX_MODEL_LEN, role
 
 
 def test_a_request_over_the_length_is_a_400(served):

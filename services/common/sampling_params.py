@@ -108,6 +108,10 @@ class SamplingParams:
     # vLLM's prompt_logprobs: each prompt token's logprob (and rank) plus this many alternatives,
     # computed with the prompt and never read from the prefix cache; None: not asked for.
     prompt_logprobs: int | None = param(None, wire=Wire(OPTIONAL), range=Range(0, MAX_TOP_LOGPROBS))
+    # vLLM's cache_salt: the prefix cache keys this request's pages under it, so only requests
+    # with the same salt share them (one tenant cannot probe another's prompts by timing). Not a
+    # sampling control, but it travels with the request to every worker, attempts included.
+    cache_salt: str = param("")
 
     def __post_init__(self):
         for name, lo, hi, lo_open, rng in _RANGE_CHECKS:

@@ -16,6 +16,11 @@ computed anywhere from token ids alone (decode, the router) without the tree. Wh
 The keys are BLAKE2b digests (16 bytes) of the previous key and the tokens' bytes, so two
 different prefixes never share a page in practice, whatever the tokens are.
 
+A request with vLLM's `cache_salt` starts its chain from a digest of the salt instead of the
+empty root (`chain_root`): its pages are found again only by requests with the same salt and
+the same tokens, so a tenant that keeps its salt secret cannot learn from a cache hit (or its
+timing) what another tenant's prompts were. Nothing else changes: a salted key is a key.
+
 The allocator (services/engine/page_allocator.py) keeps each page's holders and the LRU order
 of idle cached pages; this module keeps the keys. They agree at all times (`check_integrity`):
 a page is cached iff it has a key here.
@@ -30,6 +35,14 @@ from collections.abc import Callable, Hashable, Sequence
 from services.engine.page_allocator import AllocatorError, PageAllocator
 
 ROOT = b""
+
+
+def chain_root(salt: str) -> bytes:
+    """Where a request's chain starts: ROOT unsalted, else a digest of its cache_salt (a
+    domain-separated one, so no salt's root equals a page key of some token sequence)."""
+    if not salt:
+        return ROOT
+    return hashlib.blake2b(b"pdmesh cache_salt\0" + salt.encode(), digest_size=16).digest()
 
 
 def page_keys(token_ids: Sequence[int], page_size: int, num_pages: int | None = None, start: int = 0,
@@ -80,16 +93,20 @@ class PrefixCache:
         and its KV goes into a page of the request's own, never into a shared one."""
         return max(0, num_tokens - 1) // self.page_size
 
-    def keys(self, token_ids: Sequence[int]) -> list[bytes]:
-        """Every full page's key: computed once per sequence, passed to match/insert."""
-        return page_keys(token_ids, self.page_size)
+    def keys(self, token_ids: Sequence[int], salt: str = "") -> list[bytes]:
+        """Every full page's key (under the request's cache_salt): computed once per sequence,
+        passed to match/insert."""
+        return page_keys(token_ids, self.page_size, parent=chain_root(salt))
 
-    def match(self, token_ids: Sequence[int], max_pages: int | None = None, keys: list[bytes] | None = None) -> list[int]:
+    def match(self, token_ids: Sequence[int], max_pages: int | None = None, keys: list[bytes] | None = None,
+              salt: str = "") -> list[int]:
         """The cached pages of the longest cached prefix of token_ids (full pages only), at most
         max_pages (default: max_hit_pages). Takes no reference: `acquire` does."""
         limit = self.max_hit_pages(len(token_ids)) if max_pages is None else max_pages
         pages = []
-        for key in (page_keys(token_ids, self.page_size, limit) if keys is None else keys[:limit]):
+        if keys is None:
+            keys = page_keys(token_ids, self.page_size, limit, parent=chain_root(salt))
+        for key in keys[:limit]:
             page = self._page_of.get(key)
             if page is None:
                 break
@@ -97,21 +114,22 @@ class PrefixCache:
         return pages
 
     def acquire(self, token_ids: Sequence[int], owner: Hashable, max_pages: int | None = None,
-                keys: list[bytes] | None = None) -> list[int]:
+                keys: list[bytes] | None = None, salt: str = "") -> list[int]:
         """match + the owner becomes a holder of the hit pages (so nothing evicts them)."""
-        pages = self.match(token_ids, max_pages, keys)
+        pages = self.match(token_ids, max_pages, keys, salt)
         self.allocator.share(pages, owner)
         return pages
 
     def insert(self, token_ids: Sequence[int], pages: Sequence[int], num_full_pages: int,
-               keys: list[bytes] | None = None) -> int:
+               keys: list[bytes] | None = None, salt: str = "") -> int:
         """The first num_full_pages pages of a sequence now hold complete KV for token_ids:
         cache those not cached yet. A key already cached under another page (the same prefix
         computed twice at once) keeps that page; this one stays the sequence's own. Returns
-        the pages newly cached. `keys`: the sequence's keys (`keys()`), if already computed."""
+        the pages newly cached. `keys`: the sequence's keys (`keys()`), if already computed;
+        else they are computed under `salt`."""
         added = 0
         n = min(num_full_pages, len(pages))
-        keys = page_keys(token_ids, self.page_size, n) if keys is None else keys[:n]
+        keys = page_keys(token_ids, self.page_size, n, parent=chain_root(salt)) if keys is None else keys[:n]
         for key, page in zip(keys, pages, strict=False):
             if key in self._page_of:
                 continue  # cached already: this very page (a hit), or another with the same KV

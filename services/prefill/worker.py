@@ -249,7 +249,7 @@ class PrefillWorker:
         use_cache = cache is not None and job.params.prompt_logprobs is None
         hit = []
         if cache is not None:
-            job.cache_keys = cache.keys(job.token_ids)  # once: every chunk's insert reuses them
+            job.cache_keys = cache.keys(job.token_ids, job.params.cache_salt)  # once: every chunk's insert reuses them
         if use_cache:
             hit = cache.acquire(job.token_ids, job.room, keys=job.cache_keys)
         try:

@@ -95,6 +95,9 @@ class _Sampling(_Body):
     prompt_logprobs: int | None = Field(None, ge=0, le=20,
                                         description="vLLM extension: each prompt token's logprob and rank, and this "
                                                     "many alternatives (not with stream)")
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024,
+                                   description="vLLM extension: only requests with the same salt share prefix-cache "
+                                               "pages")
     user: str | None = Field(None, description="Informational")
     metadata: dict[str, Any] | None = Field(None, description="Informational")
     store: bool | None = Field(None, description="Informational: nothing is stored")

@@ -210,7 +210,8 @@ class Orchestrator:
                 self._check_capacity(req.refused, spec, progress)
                 sharing = req.sharing
                 ids = progress.ids()
-                prompt = RequestKeys(ids) if self.pool.cache_aware else None  # hashed once, for both roles
+                # hashed once, for both roles (under the request's cache_salt, as the workers key it)
+                prompt = RequestKeys(ids, base.cache_salt) if self.pool.cache_aware else None
                 held = await self.pool.choose_pair(req.exclude, share.prefill if sharing else None, prompt,
                                                    allow_local=allow_local and not sharing,
                                                    avoid_pairs=req.failed_pairs)

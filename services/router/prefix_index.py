@@ -35,14 +35,16 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
-from services.engine.prefix_cache import ROOT, page_keys
+from services.engine.prefix_cache import chain_root, page_keys
 
 
 class RequestKeys:
-    """One request's page keys, computed once per page size (workers normally share one)."""
+    """One request's page keys, computed once per page size (workers normally share one), under
+    its cache_salt as the workers compute them."""
 
-    def __init__(self, token_ids: Sequence[int]):
+    def __init__(self, token_ids: Sequence[int], salt: str = ""):
         self.token_ids = token_ids
+        self.salt = salt
         self._by_page_size: dict[int, list[bytes]] = {}
 
     def __len__(self) -> int:
@@ -51,18 +53,18 @@ class RequestKeys:
     def for_page_size(self, page_size: int) -> list[bytes]:
         keys = self._by_page_size.get(page_size)
         if keys is None:
-            keys = self._by_page_size[page_size] = page_keys(self.token_ids, page_size)
+            keys = self._by_page_size[page_size] = page_keys(self.token_ids, page_size, parent=chain_root(self.salt))
         return keys
 
     def extended(self, token_ids: Sequence[int]) -> RequestKeys:
         """The keys of a longer sequence that starts with this one (the prompt + its reply): only
         the new pages are hashed, the ones computed here are reused."""
         if list(token_ids[: len(self.token_ids)]) != list(self.token_ids):
-            return RequestKeys(token_ids)
-        longer = RequestKeys(token_ids)
+            return RequestKeys(token_ids, self.salt)
+        longer = RequestKeys(token_ids, self.salt)
         for page_size, keys in self._by_page_size.items():
             longer._by_page_size[page_size] = keys + page_keys(
-                token_ids, page_size, start=len(keys), parent=keys[-1] if keys else ROOT)
+                token_ids, page_size, start=len(keys), parent=keys[-1] if keys else chain_root(self.salt))
         return longer
 
 

@@ -49,6 +49,7 @@ MAX_CHOICES = 128  # prompts x n of one request: each is a full request on the w
 MAX_BAD_WORDS = 64
 MAX_BAD_WORD_TOKENS = 32
 MAX_REQUEST_ID_CHARS = 128
+MAX_CACHE_SALT_CHARS = 1024  # vLLM suggests 43 (256 random bits in base64); this leaves room for any scheme
 # generation_config.json keys vLLM applies as defaults, and the request field each one fills
 GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                        "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
@@ -114,6 +115,9 @@ class GenerateSpec:
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's generated ids in the response
     # vLLM's prompt_logprobs: every prompt token's logprob, rank and this many alternatives (None: off)
     prompt_logprobs: int | None = None
+    # vLLM's cache_salt: the workers' prefix cache (and the router's index of it) keys this
+    # request's pages under it, so only requests with the same salt share them ("": none)
+    cache_salt: str = ""
     # completions' max_tokens 0 with echo (vLLM's): the reply is the prompt alone; the workers still
     # sample one token (every room ends with one), which the reply leaves out
     echo_only: bool = False
@@ -379,6 +383,7 @@ def _common(body: dict, info: ModelInfo, kind: str) -> dict[str, Any]:
     kw["tokens_as_ids"] = get_bool(body, "return_tokens_as_token_ids", False)
     kw["return_token_ids"] = get_bool(body, "return_token_ids", False)
     kw["prompt_logprobs"] = _prompt_logprobs(body, kw["stream"])
+    kw["cache_salt"] = _cache_salt(body)
     found = structured_output_field(body, kw["ignore_eos"], info.limits)
     kw["grammar"], kw["grammar_param"] = (found[1], found[0]) if found is not None else (None, "")
     return kw
@@ -392,6 +397,18 @@ def _prompt_logprobs(body: dict, stream: bool) -> int | None:
         raise bad_request("'prompt_logprobs' is not available when 'stream' is true.", param="prompt_logprobs",
                           code="invalid_value")
     return k
+
+
+def _cache_salt(body: dict) -> str:
+    """vLLM's cache_salt: a non-empty string when given (vLLM refuses an empty one), at most
+    MAX_CACHE_SALT_CHARS (it travels with every attempt of the request, to every worker)."""
+    salt = get_str(body, "cache_salt", None)
+    if salt is None:
+        return ""
+    if not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise bad_request(f"'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters.",
+                          param="cache_salt", code="invalid_value")
+    return salt
 
 
 def _echo_only(body: dict, echo: bool) -> dict:

@@ -44,7 +44,6 @@ REFUSED: dict[str, Refused] = {
     "return_prompt_text": Refused("returning the rendered prompt is not supported", (None, False)),
     "return_mm_kwargs": Refused("this model takes text only", (None, True)),
     "routed_experts_prompt_start": Refused("this model has no experts", (None, 0)),
-    "cache_salt": Refused("salting the prefix cache is not supported"),
     "kv_transfer_params": Refused("the router moves the KV cache itself; kv_transfer_params are not accepted"),
     "ec_transfer_params": Refused("encoder-cache transfer is not supported"),
     "vllm_xargs": Refused("custom extension arguments are not supported"),

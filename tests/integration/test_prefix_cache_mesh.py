@@ -4,7 +4,8 @@ what single-process generation does, with the cache warm, after POST /reset_pref
 on workers started with --prefix-cache off; from round 2 on prefill computes only the round's new
 tokens (plus at most one page): what its own cache lacks of the previous prompt and reply it READs
 from the pages decode holds (--kv-read-held-prefix), the KV moved is only the pages decode lacks,
-and usage reports the cached tokens. With the READ off, or failing (a wrong checksum, a READ that
+and usage reports the cached tokens; a request's cache_salt confines what it finds to its own
+salt. With the READ off, or failing (a wrong checksum, a READ that
 never answers), prefill computes the reply again and the output stays the same."""
 
 from __future__ import annotations
@@ -158,6 +159,38 @@ def test_a_reply_that_comes_back_different_is_read_up_to_its_first_differing_pag
     assert delta(after, before, "pdmesh:kv_read_pages_total") == 7 - 90 // P  # pages 5 and 6
     assert usage["prompt_tokens_details"]["cached_tokens"] == 7 * P
     assert delta(after, before, "pdmesh:prompt_tokens_total") == len(prompt) - 7 * P
+    m.assert_invariants()
+
+
+def test_a_cache_salt_shares_pages_only_with_requests_of_the_same_salt(mesh, reference_model):
+    """vLLM's cache_salt: on prefill (its own cache) and on decode (what it holds and offers for
+    the READ of the next round) a salted prompt finds only the pages of its own salt; the output
+    is the same whatever the salt."""
+    m, p, d, r = mesh
+    rng = random.Random(23)
+    prompt = [rng.randrange(3, 256) for _ in range(60)]  # 3 full pages + 12 tokens
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    reply = reference(reference_model, prompt, greedy)
+
+    def ask(ids, salt):
+        out = post_json(r.http_url, "/v1/completions", {**body(ids, 20), **({"cache_salt": salt} if salt else {})})
+        return out["choices"][0]["text"], out["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert ask(prompt, "tenant-a") == (decode_text(reply), 0)
+    assert ask(prompt, "tenant-a") == (decode_text(reply), 48)  # prefill's cache, this salt
+    assert ask(prompt, "tenant-b") == (decode_text(reply), 0)
+    assert ask(prompt, None) == (decode_text(reply), 0)
+    # the next round of tenant-a's conversation: decode holds prompt + reply under its salt (79
+    # tokens: 4 full pages), prefill READs the page it lacks; tenant-c, with the same tokens, gets
+    # nothing of it
+    following = prompt + reply + [rng.randrange(3, 256) for _ in range(20)]
+    expected = decode_text(reference(reference_model, following, greedy))
+    before = p.metrics()
+    assert ask(following, "tenant-a") == (expected, 64)
+    assert delta(p.metrics(), before, "pdmesh:kv_read_pages_total") == 1
+    assert ask(following, "tenant-c") == (expected, 0)
+    resp = httpx.post(r.http_url + "/v1/completions", json={**body(prompt, 2), "cache_salt": ""}, timeout=10)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "cache_salt"
     m.assert_invariants()
 
 

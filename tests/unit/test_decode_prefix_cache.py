@@ -73,8 +73,8 @@ def worker(engine):
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 
 
-async def admitted(w, room, ids, prefill=PREFILL):
-    job = w.submit(room, list(ids), GREEDY, prefill)
+async def admitted(w, room, ids, prefill=PREFILL, params=GREEDY):
+    job = w.submit(room, list(ids), params, prefill)
     w.admission.admit()
     for _ in range(5):
         await asyncio.sleep(0)  # the attach task runs
@@ -158,6 +158,30 @@ def test_a_colocated_request_computes_from_the_end_of_its_hit(worker, engine):
         assert job.phase is Phase.PREFILLING and job.prefilled == job.cached_tokens == job.usage_cached_tokens == 32
         worker.abort(3, "done")  # ended PREFILLING having computed nothing more: no new pages cached
         assert engine.prefix_cache.num_pages == 2
+
+    asyncio.run(go())
+
+
+def test_a_salted_round_attaches_for_everything_but_what_its_own_salt_cached(worker, engine):
+    salted = SamplingParams(temperature=0.0, max_tokens=4, cache_salt="tenant-1")
+
+    async def go():
+        await first_round_cached(worker)  # unsalted: PROMPT's two full pages
+        second = await admitted(worker, 2, NEXT, params=salted)
+        assert second.cached_tokens == 0 and worker.coordinator.attached[2][1] == 0
+        assert worker.coordinator.offered[2] == []  # nothing of another tenant is offered for a READ
+        arrive(worker, second)
+        worker.emit(second, 6, -0.1)
+        worker.abort(2, "client done")  # its four full pages stay cached, under its salt
+        await asyncio.sleep(0)
+        assert engine.prefix_cache.num_pages == 2 + 4
+        third = await admitted(worker, 3, NEXT, params=salted)
+        assert third.cached_tokens == 64 and worker.coordinator.attached[3][1] == 4
+        fourth = await admitted(worker, 4, NEXT)
+        assert fourth.cached_tokens == 32  # unsalted: only the unsalted round's pages
+        for room in (3, 4):
+            worker.abort(room, "done")
+        await quarantine_emptied(worker)
 
     asyncio.run(go())
 

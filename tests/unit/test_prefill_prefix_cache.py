@@ -44,10 +44,10 @@ def gauge(w, name):
     return w.metrics.registry.get_sample_value(f"pdmesh:{name}", w.metrics.labels)
 
 
-async def serve(w, room, ids, budget=512):
+async def serve(w, room, ids, budget=512, params=GREEDY):
     """Submit, run passes until the KV is 'sent', then end the job as a delivered transfer."""
     w.chunk_budget = budget
-    job = w.submit(room, list(ids), GREEDY)
+    job = w.submit(room, list(ids), params)
     while room not in w.sender.sent:
         batch = w._pick_batch()
         assert batch, "the job made no progress"
@@ -89,6 +89,24 @@ def test_the_next_round_computes_only_its_suffix_and_matches_a_computation_from_
     used = len(NEXT) % P  # the last page holds 6 tokens; the rest of it is not the prompt's
     torch.testing.assert_close(kv[:-1], ref_kv[:-1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(kv[-1][:, :, :used], ref_kv[-1][:, :, :used], rtol=1e-5, atol=1e-5)
+
+
+def test_a_salted_round_finds_only_the_pages_of_its_own_salt(worker, engine):
+    salted = SamplingParams(temperature=0.0, cache_salt="tenant-1")
+
+    async def go():
+        await serve(worker, 1, HISTORY)  # unsalted: 2 full pages cached
+        other, _, token_other, _ = await serve(worker, 2, NEXT, params=salted)
+        assert other.cached_tokens == 0  # the unsalted history is another tenant's
+        assert gauge(worker, "prefix_cache_pages") == 2 + 4
+        again, _, token_again, _ = await serve(worker, 3, NEXT, params=salted)
+        assert again.cached_tokens == 64  # its own salt: every full page but the last token's
+        unsalted, _, _, _ = await serve(worker, 4, NEXT)
+        assert unsalted.cached_tokens == 32  # the unsalted history's two pages, not the salted four
+        return token_other, token_again
+
+    token_other, token_again = asyncio.run(go())
+    assert token_other == token_again == from_scratch(engine, NEXT)[1]  # a salt changes what is found, not the result
 
 
 def test_a_shared_page_is_never_written_and_a_fully_cached_prompt_still_computes_its_last_page(worker, engine):

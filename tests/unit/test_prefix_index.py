@@ -31,6 +31,22 @@ def test_extending_a_chain_hashes_only_the_new_pages_and_equals_a_fresh_chain():
     assert other.for_page_size(P) == page_keys([99, *ids(22)], P)
 
 
+def test_a_salted_request_has_the_workers_salted_keys_and_extends_them_under_its_salt():
+    from services.engine.page_allocator import PageAllocator
+    from services.engine.prefix_cache import PrefixCache
+
+    worker_cache = PrefixCache(PageAllocator(8), P)
+    salted = RequestKeys(ids(10), "tenant-1")
+    assert salted.for_page_size(P) == worker_cache.keys(ids(10), "tenant-1") != page_keys(ids(10), P)
+    longer = salted.extended(ids(23))
+    assert longer.salt == "tenant-1" and longer.for_page_size(P) == worker_cache.keys(ids(23), "tenant-1")
+    index = PrefixIndex(100)
+    index.insert("w", salted.for_page_size(P))
+    assert index.match("w", salted.for_page_size(P)) == 2
+    assert index.match("w", RequestKeys(ids(10)).for_page_size(P)) == 0  # unsalted: another tenant's cache
+    assert index.match("w", RequestKeys(ids(10), "tenant-2").for_page_size(P)) == 0
+
+
 def test_match_counts_the_leading_pages_a_worker_was_sent():
     index = PrefixIndex(100)
     a = RequestKeys(ids(20)).for_page_size(P)  # 5 pages

@@ -87,6 +87,11 @@ def test_tools_tool_choice_format_effort():
     assert "response_format" not in chat_of(input="hi", text={"format": {"type": "text"}})
 
 
+def test_vllms_cache_salt_goes_to_the_chat_route():
+    assert chat_of(input="hi", cache_salt="tenant-1")["cache_salt"] == "tenant-1"
+    assert "cache_salt" not in chat_of(input="hi", cache_salt=None)
+
+
 def test_stream_asks_for_usage():
     req = translate({"model": MODEL, "input": "hi", "stream": True})
     assert req.stream and req.chat["stream_options"] == {"include_usage": True}

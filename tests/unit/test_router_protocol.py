@@ -273,3 +273,11 @@ def test_prompt_logprobs_reply_must_fit_one_message():
     with pytest.raises(APIError) as err:
         check_prompt_logprobs_size(400_000, 20, "prompt")
     assert err.value.status == 400 and err.value.code == "request_too_large"
+
+
+def test_cache_salt_is_a_non_empty_bounded_string():
+    assert completion(cache_salt="tenant-1").cache_salt == "tenant-1" == chat(cache_salt="tenant-1").cache_salt
+    assert completion().cache_salt == "" == completion(cache_salt=None).cache_salt
+    for bad in ("", "x" * 1025, 5, ["a"]):
+        rejects(completion, param="cache_salt", cache_salt=bad)
+        rejects(chat, param="cache_salt", cache_salt=bad)

@@ -40,7 +40,7 @@ def _value(f: dataclasses.Field):
     shape = f.metadata["wire"].shape
     if shape == SCALAR:
         kind = type(f.default)
-        return {bool: True, int: 3, float: 0.5}[kind]
+        return {bool: True, int: 3, float: 0.5, str: "salt"}[kind]
     return {
         OPTIONAL: 3,
         REPEATED: (1, 2),

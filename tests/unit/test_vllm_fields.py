@@ -98,6 +98,7 @@ SHARED_EFFECTS = {
     "return_tokens_as_token_ids": ({}, True, lambda s: s.tokens_as_ids),
     "return_token_ids": ({}, True, lambda s: s.return_token_ids),
     "prompt_logprobs": ({}, 2, lambda s: _wire(s).prompt_logprobs),
+    "cache_salt": ({}, "tenant-7f3a", lambda s: _wire(s).cache_salt),
 }
 CHAT_EFFECTS = {
     **SHARED_EFFECTS,
@@ -135,7 +136,7 @@ REFUSED_VALUES = {
     "logprob_token_ids": [1], "prompt_embeds": "AAAA", "media_io_kwargs": {"image": {}},
     "mm_processor_kwargs": {"a": 1}, "priority": 1,
     "return_token_offsets": True, "return_prompt_text": True, "return_mm_kwargs": False,
-    "routed_experts_prompt_start": 1, "cache_salt": "salt", "kv_transfer_params": {"a": 1},
+    "routed_experts_prompt_start": 1, "kv_transfer_params": {"a": 1},
     "ec_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "repetition_detection": {"n": 3},
     "stream_interval": 4, "thinking_token_budget": 10, "include_reasoning": False, "suffix": "tail",
 }

@@ -77,6 +77,6 @@ def served_model(settings: RouterSettings, tokenizer: Tokenizer,
                                                                  context_length(settings.model)),
                      aliases=aliases, tool_parser=tool_parser(settings.tool_call_parser, tokenizer),
                      defaults=model_controls.generation_defaults(settings.model, settings.generation_config),
-                     capacity=capacity,
+                     capacity=capacity, root=settings.model,
                      limits=RequestLimits(settings.max_grammar_bytes, settings.max_request_worker_bytes))
     return names, info

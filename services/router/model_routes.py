@@ -18,6 +18,9 @@ def model_card(router, name: str) -> dict[str, Any]:
         "object": "model",
         "created": router.created,
         "owned_by": "pdmesh",
+        # vLLM's: what the served names were loaded from (the --model value), and no base model
+        "root": router.info.root or router.info.name,
+        "parent": None,
         "max_model_len": router.info.context_length,
         # pdmesh extension: the format tool calls are parsed in (null: tools only with tool_choice none)
         "tool_call_parser": router.info.tool_parser,

@@ -71,6 +71,7 @@ class ModelInfo:
     # never asks for more than that
     capacity: Callable[[], int | None] | None = None
     limits: RequestLimits = DEFAULT_LIMITS  # what one request may send the workers (services/router/limits.py)
+    root: str = ""  # the --model it was loaded from (vLLM's model card `root`)
 
 
 @dataclass

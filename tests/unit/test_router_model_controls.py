@@ -76,6 +76,9 @@ def test_router_serves_several_names_its_length_and_template(cluster_factory, tm
     c = cluster_factory(served_model_name=["first", "second"], max_model_len=40, chat_template=str(template))
     models = httpx.get(c.url + "/v1/models").json()["data"]
     assert [m["id"] for m in models] == ["first", "second"] and models[0]["max_model_len"] == 40
+    # vLLM's card: every served name comes from the same --model, with no base model
+    assert {m["root"] for m in models} == {c.router.info.root} and c.router.info.root
+    assert all(m["parent"] is None for m in models)
     assert httpx.get(c.url + "/v1/models/second").json()["id"] == "second"
     body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
     for name in ("first", "second"):

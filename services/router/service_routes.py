@@ -1,5 +1,5 @@
-"""The routes about the router itself: /health, /metrics, and emptying the workers' prefix
-caches (/reset_prefix_cache, /flush_cache). vLLM's /tokenize, /detokenize, /version, /ping:
+"""The routes about the router itself: /health, vLLM's /load, /metrics, and emptying the
+workers' prefix caches (/reset_prefix_cache, /flush_cache). vLLM's /tokenize, /detokenize, /version, /ping:
 extra_routes.py."""
 
 from __future__ import annotations
@@ -36,6 +36,12 @@ def register(app: FastAPI, router) -> None:
         if not ok and not router.draining:
             body["reason"] = router.pool.unavailable_reason()
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/load")
+    async def load() -> Response:
+        # vLLM's server-load endpoint, for a load balancer in front of several routers: what this
+        # process is serving now, counted as admission counts it (a request with n = 4 is 4)
+        return JSONResponse({"server_load": router.active})
 
     @app.get("/metrics")
     async def metrics() -> Response:

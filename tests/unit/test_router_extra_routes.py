@@ -1,5 +1,5 @@
 """vLLM's endpoints and request-id rule on the real app (uvicorn, gRPC) with scripted workers:
-/tokenize, /detokenize, /version, /ping, and X-Request-Id / request_id echoed as the response id."""
+/tokenize, /detokenize, /version, /ping, /load, and X-Request-Id / request_id echoed as the response id."""
 
 from __future__ import annotations
 
@@ -53,6 +53,22 @@ def test_detokenize_round_trips(cluster):  # noqa: F811
     ids = TOK.encode("round trip", add_special_tokens=False)
     r = httpx.post(cluster.url + "/detokenize", json={"model": MODEL, "tokens": ids})
     assert r.status_code == 200 and r.json() == {"prompt": "round trip"}
+
+
+def test_load_counts_what_is_being_served(cluster):  # noqa: F811
+    assert httpx.get(cluster.url + "/load").json() == {"server_load": 0}
+    cluster.decodes[0].behaviour.token_delay = 0.05  # a stream that lasts long enough to be seen
+    with httpx.stream("POST", cluster.url + "/v1/completions",
+                      json={"model": MODEL, "prompt": "x", "max_tokens": 40, "n": 2, "stream": True,
+                            "ignore_eos": True}) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()  # one iterator: a dropped one closes the stream
+        next(lines)  # under way
+        assert httpx.get(cluster.url + "/load").json() == {"server_load": 2}  # counted per choice
+        rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and sum('"finish_reason":"length"' in line for line in rest) == 2
+    assert httpx.get(cluster.url + "/load").json() == {"server_load": 0}
+    cluster.all_rpcs_ended()
 
 
 def test_version_and_ping(cluster):  # noqa: F811

@@ -7,8 +7,6 @@
 # (installed here into .venv when podman is present; on the build machines
 # ../shared/containers/setup.sh installs and configures podman). Without one it says so and
 # exits 0, so `make test` passes on machines without containers.
-# --build-only: build the image and stop (make test builds it in the background while the main
-# suite runs; the tests then find its layers cached).
 # Env: PDMESH_COMPOSE="docker compose" | "podman-compose" picks the engine;
 #      PDMESH_REQUIRE_COMPOSE=1 makes a missing engine an error instead of a skip.
 set -euo pipefail
@@ -36,8 +34,5 @@ if [ "$have_docker" = 0 ] && [ ! -x .venv/bin/podman-compose ] && ! command -v p
     echo "compose-test: installing podman-compose==$PODMAN_COMPOSE_VERSION into .venv" >&2
     "$PY" -m pip install -q "podman-compose==$PODMAN_COMPOSE_VERSION" \
         || skip "podman is here but podman-compose could not be installed"
-fi
-if [ "${1:-}" = --build-only ]; then
-    exec nice -n 10 "$PY" -m services.launch.prebuild_image --override tests/compose/docker-compose.test.yml
 fi
 exec "$PY" -m pytest -q tests/compose "$@"

@@ -154,9 +154,6 @@ class Compose:
     def found(cls, env: dict[str, str], log_dir: pathlib.Path, overrides: tuple[pathlib.Path, ...] = ()) -> Compose:
         """On the first engine find_engine() finds (NoEngine when there is none)."""
         engine, compose = find_engine()
-        # podman: OCI images drop HEALTHCHECK; the docker format keeps it (and one format for
-        # every build lets a later build find the layers of an earlier one)
-        env = {"BUILDAH_FORMAT": "docker", **env}
         return cls(engine, compose, env, log_dir, tuple(overrides))
 
     # --- the whole project ----------------------------------------------------------------------

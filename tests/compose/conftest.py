@@ -29,6 +29,8 @@ def stack(tmp_path_factory):
         **os.environ,
         **SETTINGS,
         "DEPLOY_ROUTER_PORT": str(free_port()),
+        # podman: OCI images drop HEALTHCHECK; the docker format keeps it
+        "BUILDAH_FORMAT": "docker",
     }
     try:
         s = Compose.found(env, tmp_path_factory.mktemp("compose"), overrides=(TEST_OVERRIDE,))

@@ -96,6 +96,7 @@ class WorkerHandle:
     inflight_peak: int | None = None
     capacity_tokens: int = 0  # tokens its KV pool holds (last Load report; 0: not reported)
     max_model_len: int = 0  # its --max-model-len (last Load report; 0: not reported)
+    chosen_turn: int = 0  # the pool's count of pairs chosen when this prefill was last in one
     epoch: int = 0  # its start's id (last Load report; 0: not reported yet); a new one: it restarted
     prefix_page_size: int = 0  # tokens per page its prefix cache keys (last Load report; 0: no cache)
     last_error: str = ""
@@ -119,6 +120,10 @@ class WorkerHandle:
 def load_of(w: WorkerHandle) -> int:
     """What the policies compare: our requests on the worker plus everyone else's."""
     return w.inflight + w.peer_inflight + w.external_load
+
+
+def _least_loaded_then_longest_unchosen(w: WorkerHandle) -> tuple[int, int]:
+    return load_of(w), w.chosen_turn
 
 
 @dataclass
@@ -181,6 +186,7 @@ class WorkerPool:
                           "decode": make_policy(policy, thresholds=cache_thresholds)}
         self.cache_aware = policy == "cache_aware"  # only that policy reads (and so needs) the index
         self.index = PrefixIndex(prefix_index_max_pages)
+        self._turn = 0  # pairs chosen with a prefill so far (WorkerHandle.chosen_turn)
         # PD + cache_aware: a request whose decode holds all but this many prompt tokens skips
         # prefill (services/router/conditional_disagg.py; 0: never)
         self.local_prefill_max_tokens = local_prefill_max_tokens if self.cache_aware and not colocated else 0
@@ -510,9 +516,18 @@ class WorkerPool:
         if self.colocated or local:
             prefill = None
         elif not (prefill is not None and prefill.healthy and prefill not in excluded and prefill in self.prefills):
-            prefills = (self._candidates(self.prefills, excluded) if bad is None
-                        else self._prefills_with_a_good_pair(excluded, bad))
-            prefill = self._policies["prefill"].choose(prefills, load_of, match)
+            good = None if bad is None else [p for p in self._candidates(self.prefills, excluded)
+                                             if not bad(p, decode)]
+            if good:
+                # the decode the policy chose (for its load or its cache) stays chosen; among its
+                # good prefills the least loaded, on a tie the one chosen longest ago. Choosing the
+                # prefill with its policy and then the decode again starves a decode whose good
+                # pairs are few whenever the two policies' tie cursors move in step
+                prefill = min(good, key=_least_loaded_then_longest_unchosen)
+            else:
+                prefills = (self._candidates(self.prefills, excluded) if bad is None
+                            else self._prefills_with_a_good_pair(excluded, bad))
+                prefill = self._policies["prefill"].choose(prefills, load_of, match)
         if prefill is not None and bad is not None and bad(prefill, decode):
             # choose again among the pair's good decodes (not from the start among a shrunken list,
             # whose round-robin would starve a worker); every pair bad: route anyway
@@ -523,6 +538,8 @@ class WorkerPool:
         if prefill is not None:
             prefill_lease = self.reserve(prefill)
             self.pairs.touch(prefill, decode)
+            self._turn += 1
+            prefill.chosen_turn = self._turn
         decode_lease = self.reserve(decode)
         if match is not None and prefill is not None:
             # prefill caches the prompt's pages as it computes them; decode is remembered only

@@ -77,8 +77,8 @@ def test_which_failures_count_against_the_pair(code, kind, produced, at_deadline
     assert pair_failure(code, kind, produced, at_deadline) is expected
 
 
-def pool_of(prefills: int, decodes: int) -> WorkerPool:
-    pool = WorkerPool([], [], policy="round_robin", lane=False)
+def pool_of(prefills: int, decodes: int, policy: str = "round_robin") -> WorkerPool:
+    pool = WorkerPool([], [], policy=policy, lane=False)
     pool.prefills = [WorkerHandle("prefill", f"p{i}:1", healthy=True) for i in range(prefills)]
     pool.decodes = [WorkerHandle("decode", f"d{i}:1", healthy=True) for i in range(decodes)]
     return pool
@@ -97,8 +97,9 @@ def choose(pool: WorkerPool, n: int) -> list[tuple[str, str]]:
     return asyncio.run(run())
 
 
-def test_routing_avoids_a_marked_pair_and_keeps_both_workers_busy():
-    pool = pool_of(2, 2)
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "cache_aware"])
+def test_routing_avoids_a_marked_pair_and_keeps_both_workers_busy(policy):
+    pool = pool_of(2, 2, policy)
     p0, p1 = pool.prefills
     d0, d1 = pool.decodes
     pool.pairs.mark(p0, d0, "attach refused")
@@ -106,6 +107,31 @@ def test_routing_avoids_a_marked_pair_and_keeps_both_workers_busy():
     assert ("p0:1", "d0:1") not in pairs
     for worker in ("p0:1", "p1:1", "d0:1", "d1:1"):  # every worker keeps its share of the requests
         assert sum(worker in pair for pair in pairs) == 20, (worker, pairs)
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "cache_aware"])
+def test_under_load_both_workers_of_a_marked_pair_serve_through_their_other_peers(policy):
+    """Four requests in flight at a time: the decode whose only good pair is with the other
+    prefill still gets its share (the pair's prefill is not chosen apart from it, in step with
+    the other policy's tie cursor, which starved it)."""
+    pool = pool_of(2, 2, policy)
+    p0, p1 = pool.prefills
+    d0, d1 = pool.decodes
+    pool.pairs.mark(p0, d0, "partitioned")
+
+    async def run():
+        out = []
+        for _ in range(10):
+            held = [await pool.choose_pair() for _ in range(4)]
+            out += [(p.addr, d.addr) for p, d in held]
+            for pair in held:
+                pair.release()
+        return out
+
+    pairs = asyncio.run(run())
+    assert ("p0:1", "d0:1") not in pairs
+    for worker in ("p0:1", "p1:1", "d0:1", "d1:1"):
+        assert sum(worker in pair for pair in pairs) >= 10, (worker, pairs)
 
 
 def test_a_prefill_whose_every_pair_is_marked_is_passed_over():

@@ -78,7 +78,7 @@ class WorkerServicer(LaneServicerMixin):
         engine = self.worker.engine
         return wpb.LoadReply(queued=queued, running=running, token_usage=engine.pool.token_usage,
                              protocol_version=PROTOCOL_VERSION, min_protocol_version=MIN_PEER_VERSION,
-                             kv_capacity_tokens=engine.capacity_tokens,
+                             kv_capacity_tokens=engine.capacity_tokens, max_model_len=engine.config.max_model_len,
                              prefix_cache_page_size=engine.pool.page_size if engine.prefix_cache else 0,
                              **self.load_fields())
 

@@ -97,4 +97,4 @@ class DecodeServicer(WorkerServicer, wpb_grpc.DecodeServicer):
                     self.worker.abort(room, "Decode RPC cancelled by the caller")
 
     def load_fields(self) -> dict:
-        return {"epoch": self.worker.receiver.epoch, "max_model_len": self.worker.engine.config.max_model_len}
+        return {"epoch": self.worker.receiver.epoch}

@@ -197,7 +197,8 @@ class DecodeWorker:
             tokens = job.token_ids[: job.prefilled]
         else:
             return
-        cache.insert(tokens, job.pages, len(tokens) // self.engine.pool.page_size, salt=job.params.cache_salt)
+        cache.insert(tokens, job.pages, len(tokens) // self.engine.pool.page_size,
+                     cache.keys(tokens, job.params.cache_salt))
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached page; pages running jobs hold stay theirs. Returns entries dropped."""

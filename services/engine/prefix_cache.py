@@ -98,15 +98,13 @@ class PrefixCache:
         passed to match/insert."""
         return page_keys(token_ids, self.page_size, parent=chain_root(salt))
 
-    def match(self, token_ids: Sequence[int], max_pages: int | None = None, keys: list[bytes] | None = None,
-              salt: str = "") -> list[int]:
+    def match(self, token_ids: Sequence[int], max_pages: int | None = None, keys: list[bytes] | None = None) -> list[int]:
         """The cached pages of the longest cached prefix of token_ids (full pages only), at most
-        max_pages (default: max_hit_pages). Takes no reference: `acquire` does."""
+        max_pages (default: max_hit_pages). Takes no reference: `acquire` does. `keys`: the
+        sequence's keys (`keys()`, under its salt); else its unsalted ones."""
         limit = self.max_hit_pages(len(token_ids)) if max_pages is None else max_pages
         pages = []
-        if keys is None:
-            keys = page_keys(token_ids, self.page_size, limit, parent=chain_root(salt))
-        for key in keys[:limit]:
+        for key in (page_keys(token_ids, self.page_size, limit) if keys is None else keys[:limit]):
             page = self._page_of.get(key)
             if page is None:
                 break
@@ -114,22 +112,22 @@ class PrefixCache:
         return pages
 
     def acquire(self, token_ids: Sequence[int], owner: Hashable, max_pages: int | None = None,
-                keys: list[bytes] | None = None, salt: str = "") -> list[int]:
+                keys: list[bytes] | None = None) -> list[int]:
         """match + the owner becomes a holder of the hit pages (so nothing evicts them)."""
-        pages = self.match(token_ids, max_pages, keys, salt)
+        pages = self.match(token_ids, max_pages, keys)
         self.allocator.share(pages, owner)
         return pages
 
     def insert(self, token_ids: Sequence[int], pages: Sequence[int], num_full_pages: int,
-               keys: list[bytes] | None = None, salt: str = "") -> int:
+               keys: list[bytes] | None = None) -> int:
         """The first num_full_pages pages of a sequence now hold complete KV for token_ids:
         cache those not cached yet. A key already cached under another page (the same prefix
         computed twice at once) keeps that page; this one stays the sequence's own. Returns
-        the pages newly cached. `keys`: the sequence's keys (`keys()`), if already computed;
-        else they are computed under `salt`."""
+        the pages newly cached. `keys`: the sequence's keys (`keys()`, under its salt); else its
+        unsalted ones."""
         added = 0
         n = min(num_full_pages, len(pages))
-        keys = page_keys(token_ids, self.page_size, n, parent=chain_root(salt)) if keys is None else keys[:n]
+        keys = page_keys(token_ids, self.page_size, n) if keys is None else keys[:n]
         for key, page in zip(keys, pages, strict=False):
             if key in self._page_of:
                 continue  # cached already: this very page (a hit), or another with the same KV

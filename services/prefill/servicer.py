@@ -53,4 +53,4 @@ class PrefillServicer(WorkerServicer, wpb_grpc.PrefillServicer):
             return reply
 
     def load_fields(self) -> dict:
-        return {"epoch": self.worker.sender.epoch, "max_model_len": self.worker.engine.config.max_model_len}
+        return {"epoch": self.worker.sender.epoch}

@@ -45,6 +45,7 @@ class RequestKeys:
     def __init__(self, token_ids: Sequence[int], salt: str = ""):
         self.token_ids = token_ids
         self.salt = salt
+        self._root = chain_root(salt)
         self._by_page_size: dict[int, list[bytes]] = {}
 
     def __len__(self) -> int:
@@ -53,7 +54,7 @@ class RequestKeys:
     def for_page_size(self, page_size: int) -> list[bytes]:
         keys = self._by_page_size.get(page_size)
         if keys is None:
-            keys = self._by_page_size[page_size] = page_keys(self.token_ids, page_size, parent=chain_root(self.salt))
+            keys = self._by_page_size[page_size] = page_keys(self.token_ids, page_size, parent=self._root)
         return keys
 
     def extended(self, token_ids: Sequence[int]) -> RequestKeys:
@@ -64,7 +65,7 @@ class RequestKeys:
         longer = RequestKeys(token_ids, self.salt)
         for page_size, keys in self._by_page_size.items():
             longer._by_page_size[page_size] = keys + page_keys(
-                token_ids, page_size, start=len(keys), parent=keys[-1] if keys else chain_root(self.salt))
+                token_ids, page_size, start=len(keys), parent=keys[-1] if keys else self._root)
         return longer
 
 

@@ -144,14 +144,14 @@ def test_a_salted_request_shares_pages_only_with_its_own_salt(cache):
     tokens = list(range(10))
     a_pages, _ = run(cache, "a", tokens)  # unsalted
     # the same tokens under a salt: nothing found, its own pages cached beside the unsalted ones
-    assert cache.match(tokens, salt="tenant-1") == []
-    hit = cache.acquire(tokens, "b", salt="tenant-1")
+    salted = cache.keys(tokens, "tenant-1")
+    assert cache.match(tokens, keys=salted) == []
+    hit = cache.acquire(tokens, "b", keys=salted)
     b_pages = hit + cache.allocator.alloc(3, "b")
-    assert hit == [] and cache.insert(tokens, b_pages, 2, salt="tenant-1") == 2 and cache.num_pages == 4
-    # the same salt finds them (computed keys or precomputed ones); another salt, or none, does not
-    assert cache.match(tokens, salt="tenant-1") == b_pages[:2]
+    assert hit == [] and cache.insert(tokens, b_pages, 2, salted) == 2 and cache.num_pages == 4
+    # the same salt finds them; another salt, or none, does not
     assert cache.match(tokens, keys=cache.keys(tokens, "tenant-1")) == b_pages[:2]
-    assert cache.match(tokens, salt="tenant-2") == [] and cache.match(tokens) == a_pages[:2]
+    assert cache.match(tokens, keys=cache.keys(tokens, "tenant-2")) == [] and cache.match(tokens) == a_pages[:2]
     # a salt's chain never collides with a page key of some token sequence: the root is
     # domain-separated, and the first page's key depends on it
     assert cache.keys(tokens, "x")[0] not in cache.keys(tokens) and cache.keys(tokens, "x") != cache.keys(tokens, "y")

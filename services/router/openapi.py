@@ -98,6 +98,9 @@ class _Sampling(_Body):
     cache_salt: str | None = Field(None, min_length=1, max_length=1024,
                                    description="vLLM extension: only requests with the same salt share prefix-cache "
                                                "pages")
+    stream_interval: int | None = Field(None, ge=1, le=1 << 20,
+                                        description="vLLM extension: tokens per streamed event (the first and the "
+                                                    "last event go out at once)")
     user: str | None = Field(None, description="Informational")
     metadata: dict[str, Any] | None = Field(None, description="Informational")
     store: bool | None = Field(None, description="Informational: nothing is stored")

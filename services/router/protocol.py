@@ -50,6 +50,7 @@ MAX_BAD_WORDS = 64
 MAX_BAD_WORD_TOKENS = 32
 MAX_REQUEST_ID_CHARS = 128
 MAX_CACHE_SALT_CHARS = 1024  # vLLM suggests 43 (256 random bits in base64); this leaves room for any scheme
+MAX_STREAM_INTERVAL = 1 << 20  # tokens per streamed event; above any max_tokens this server takes
 # generation_config.json keys vLLM applies as defaults, and the request field each one fills
 GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                        "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
@@ -119,6 +120,9 @@ class GenerateSpec:
     # vLLM's cache_salt: the workers' prefix cache (and the router's index of it) keys this
     # request's pages under it, so only requests with the same salt share them ("": none)
     cache_salt: str = ""
+    # vLLM's stream_interval: a stream's events carry this many tokens each (the first and the last
+    # go out at once); a non-streamed request ignores it
+    stream_interval: int = 1
     # completions' max_tokens 0 with echo (vLLM's): the reply is the prompt alone; the workers still
     # sample one token (every room ends with one), which the reply leaves out
     echo_only: bool = False
@@ -385,6 +389,7 @@ def _common(body: dict, info: ModelInfo, kind: str) -> dict[str, Any]:
     kw["return_token_ids"] = get_bool(body, "return_token_ids", False)
     kw["prompt_logprobs"] = _prompt_logprobs(body, kw["stream"])
     kw["cache_salt"] = _cache_salt(body)
+    kw["stream_interval"] = get_int(body, "stream_interval", 1, 1, MAX_STREAM_INTERVAL)
     found = structured_output_field(body, kw["ignore_eos"], info.limits)
     kw["grammar"], kw["grammar_param"] = (found[1], found[0]) if found is not None else (None, "")
     return kw

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from services.common.prompt_logprobs import PromptLogprobs
@@ -90,7 +91,7 @@ class ResponseState:
         self.prompt_lp: PromptLogprobs | None = None
         # nothing asked for but the text: feed_each's per-token path can skip what feed() checks
         self._plain = (spec.logprobs is None and not spec.return_token_ids and self.tool_stream is None
-                       and not spec.echo_only and not spec.echo)
+                       and not spec.echo_only and not spec.echo and not spec.continuous_usage)
 
     @property
     def prompt_tokens(self) -> int:
@@ -151,24 +152,30 @@ class ResponseState:
             self._tool_deltas += deltas
         return text, entries
 
-    def feed_each(self, chunk: Chunk) -> list[tuple[str, list[Entry], str | None]]:
+    def feed_each(self, chunk: Chunk) -> Iterable[tuple[str, list[Entry], str | None]]:
         """As feed(), token by token: (text, entries, finish_reason after it) per token fed — exactly
         what chunks of one token each would have given, so a stream's events do not depend on how
-        decode batched its tokens into chunks. Stops at the token that finished the output."""
+        decode batched its tokens into chunks. Stops at the token that finished the output.
+
+        Each token is fed as its step is taken: the caller makes a step's event (delta_event)
+        before taking the next, so what the event carries besides its text — the ids not yet sent
+        (return_token_ids), tool-call deltas, the usage so far — is the stream's up to that token."""
         n = len(chunk.token_ids)
         if n <= 1:
             return [(*self.feed(chunk), self.finish_reason)]
         if self._plain and not self._echo_pending and self.finish_reason is None:
             return self._feed_plain(chunk)
-        out = []
+        return self._feed_one_by_one(chunk)
+
+    def _feed_one_by_one(self, chunk: Chunk) -> Iterator[tuple[str, list[Entry], str | None]]:
+        n = len(chunk.token_ids)
         for i, token in enumerate(chunk.token_ids):
             part = Chunk([token], chunk.logprobs[i : i + 1], chunk.finish_reason if i == n - 1 else "",
                          chunk.top[i : i + 1] if chunk.top is not None else None, chunk.cached_tokens,
                          chunk.prompt if i == 0 else None)
-            out.append((*self.feed(part), self.finish_reason))
+            yield (*self.feed(part), self.finish_reason)
             if self.finished:
-                break
-        return out
+                return
 
     def _feed_plain(self, chunk: Chunk) -> list[tuple[str, list[Entry], str | None]]:
         """feed_each() for a choice that asked for nothing but its text (no logprobs, no token ids,

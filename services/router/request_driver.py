@@ -9,7 +9,7 @@ releases the request's admission slots once and records the outcome.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -97,9 +97,10 @@ class RequestDriver:
     def completion_tokens(self) -> int:
         return sum(s.completion_tokens for s in self.states)
 
-    def feed(self, index: int, chunk, each: bool = False) -> list[tuple[str, list, str | None]]:
+    def feed(self, index: int, chunk, each: bool = False) -> Iterable[tuple[str, list, str | None]]:
         """Feed a chunk to its choice's state; returns (text, logprob entries, finish reason): one
-        for the chunk, or with `each` one per token (a stream's events, ResponseState.feed_each)."""
+        for the chunk, or with `each` one per token (a stream's events, ResponseState.feed_each,
+        whose tokens are fed as their steps are taken)."""
         now = time.monotonic()
         n = len(chunk.token_ids)
         r = self.router
@@ -111,10 +112,20 @@ class RequestDriver:
             observe_many(r.itl_metric, (now - last) / n, n)  # one gap per token
         self.last_token_at[index] = now
         state = self.states[index]
+        if each:
+            return self._feed_each(state, chunk)
         before = state.completion_tokens
-        out = state.feed_each(chunk) if each else [(*state.feed(chunk), state.finish_reason)]
+        out = [(*state.feed(chunk), state.finish_reason)]
         r.generation_tokens_metric.inc(state.completion_tokens - before)
         return out
+
+    def _feed_each(self, state: ResponseState, chunk) -> Iterator[tuple[str, list, str | None]]:
+        # the tokens are fed as the caller takes their steps (ResponseState.feed_each): counted after
+        before = state.completion_tokens
+        try:
+            yield from state.feed_each(chunk)
+        finally:
+            self.router.generation_tokens_metric.inc(state.completion_tokens - before)
 
     def _take(self, index: int, chunk) -> bool:
         """Whether a chunk read from the fan-in is for the caller (a stream that ended early is an error)."""

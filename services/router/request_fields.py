@@ -48,7 +48,6 @@ REFUSED: dict[str, Refused] = {
     "ec_transfer_params": Refused("encoder-cache transfer is not supported"),
     "vllm_xargs": Refused("custom extension arguments are not supported"),
     "repetition_detection": Refused("repetition detection is not supported"),
-    "stream_interval": Refused("only one event per token (stream_interval 1) is supported", (None, 1)),
     "thinking_token_budget": Refused("a thinking token budget is not supported", (None, -1)),
     "include_reasoning": Refused("no reasoning parser is configured, so there is no reasoning to leave out",
                                  (None, True), frozenset({CHAT})),

@@ -15,6 +15,7 @@ from services.common.logging_setup import bound_room, get_logger
 from services.router.errors import APIError
 from services.router.http_errors import CLIENT_CLOSED, error_json
 from services.router.sse import DONE, ClientDisconnected, SSEResponse, run_until_disconnect, sse_event
+from services.router.stream_interval import IntervalBatch
 
 log = get_logger("router")
 
@@ -76,6 +77,8 @@ async def _events(driver, first: list[tuple[int, object]], outcome: dict[str, An
     # streams) gets ahead of the router, tokens are coalesced instead of costing a send each;
     # a chunk that is not there yet is never waited for before writing what is.
     buf: list[bytes] = []
+    interval = driver.spec.stream_interval
+    batches = [IntervalBatch(interval) for _ in driver.states] if interval > 1 else None
     try:
         if driver.spec.kind == "chat":
             for state in driver.states:
@@ -94,9 +97,13 @@ async def _events(driver, first: list[tuple[int, object]], outcome: dict[str, An
                 # read before the stream began (while waiting for every choice's first chunk),
                 # after a stop string this choice's earlier chunk held: dropped, as next() would
                 continue
-            # one event per token, whatever decode's chunking; the last one carries the finish reason
-            for text, entries, finish_reason in driver.feed(index, chunk, each=True):
-                event = state.delta_event(text, entries, finish_reason)
+            # one event per token (or per stream_interval tokens), whatever decode's chunking; the
+            # last one carries the finish reason
+            batch = batches[index] if batches else None
+            for step in driver.feed(index, chunk, each=True):
+                if batch is not None and (step := batch.add(*step)) is None:
+                    continue
+                event = state.delta_event(*step)
                 if event is not None:
                     buf.append(event)
             if state.finished:
@@ -108,6 +115,7 @@ async def _events(driver, first: list[tuple[int, object]], outcome: dict[str, An
             buf.append(sse_event(driver.state.usage_chunk(driver.states)))
     except APIError as e:
         outcome.update(status=e.status, error=e.message)
+        _flush_held(driver, batches, buf)
         buf.append(sse_event(e.body()))
     except Exception as e:  # a bug must still end the stream properly (error event, [DONE])
         log.exception("stream error")
@@ -118,3 +126,14 @@ async def _events(driver, first: list[tuple[int, object]], outcome: dict[str, An
         await driver.fan.close()
     buf.append(DONE)
     yield b"".join(buf)
+
+
+def _flush_held(driver, batches: list[IntervalBatch] | None, buf: list[bytes]) -> None:
+    """Tokens a stream_interval batch still held when a choice failed: the client gets every token
+    it would have got with interval 1 before the error event."""
+    if batches is None:
+        return
+    for state, batch in zip(driver.states, batches, strict=True):
+        step = batch.flush()
+        if step is not None and (event := state.delta_event(*step)) is not None:
+            buf.append(event)

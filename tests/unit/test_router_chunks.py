@@ -101,6 +101,9 @@ REQUESTS = [
     ("/v1/completions", completion(prompt=PROMPT, max_tokens=9, n=2, seed=3)),
     ("/v1/chat/completions", chat(max_tokens=10, logprobs=True, top_logprobs=1)),
     ("/v1/chat/completions", chat(max_tokens=30, stop=["d!"], n=2)),
+    # each event carries its own token's id, not the whole chunk's
+    ("/v1/completions", completion(prompt=PROMPT, max_tokens=11, return_token_ids=True)),
+    ("/v1/chat/completions", chat(max_tokens=10, return_token_ids=True, logprobs=True)),
 ]
 
 
@@ -118,6 +121,19 @@ def test_multi_token_chunks_give_the_same_responses(cluster, path, body):
             got[k] = normalized(by_choice(sse_payloads(r.text)) if stream else r.json())
         assert got[4] == got[1], (stream, got[4], got[1])
         cluster.all_rpcs_ended()
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", completion(prompt=PROMPT, max_tokens=11)),
+                                       ("/v1/chat/completions", chat(max_tokens=10))])
+def test_continuous_usage_counts_each_event_s_own_tokens(cluster, path, body):
+    req = {**body, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    got = {}
+    for k in (1, 4):
+        chunked(cluster, k)
+        events = sse_payloads(post(cluster, path, req).text)
+        got[k] = [e["usage"]["completion_tokens"] for e in events]
+    assert got[4] == got[1]
+    cluster.all_rpcs_ended()
 
 
 def test_stop_string_inside_a_chunk_cancels_decode_and_counts_tokens_up_to_it(cluster):

@@ -99,6 +99,7 @@ SHARED_EFFECTS = {
     "return_token_ids": ({}, True, lambda s: s.return_token_ids),
     "prompt_logprobs": ({}, 2, lambda s: _wire(s).prompt_logprobs),
     "cache_salt": ({}, "tenant-7f3a", lambda s: _wire(s).cache_salt),
+    "stream_interval": ({"stream": True}, 4, lambda s: s.stream_interval),
 }
 CHAT_EFFECTS = {
     **SHARED_EFFECTS,
@@ -138,7 +139,7 @@ REFUSED_VALUES = {
     "return_token_offsets": True, "return_prompt_text": True, "return_mm_kwargs": False,
     "routed_experts_prompt_start": 1, "kv_transfer_params": {"a": 1},
     "ec_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "repetition_detection": {"n": 3},
-    "stream_interval": 4, "thinking_token_budget": 10, "include_reasoning": False, "suffix": "tail",
+    "thinking_token_budget": 10, "include_reasoning": False, "suffix": "tail",
 }
 INFORMATIONAL_VALUES = {"user": "u-1", "session_id": "s-1", "metadata": {"k": "v"}, "store": False}
 
@@ -197,7 +198,7 @@ def test_openai_informational_fields_are_accepted(kind):
 
 
 def test_refused_defaults_sent_explicitly_are_accepted():
-    _chat(use_beam_search=False, length_penalty=1.0, priority=0, stream_interval=1, include_reasoning=True,
+    _chat(use_beam_search=False, length_penalty=1.0, priority=0, include_reasoning=True,
           spaces_between_special_tokens=True, return_prompt_text=False, return_mm_kwargs=True)
     _completion(suffix="", thinking_token_budget=-1, routed_experts_prompt_start=0)
     with pytest.raises(APIError):

@@ -25,12 +25,16 @@ def test_least_loaded_avoids_a_prefill_busy_with_other_clients(mesh):
         [busy, idle], [d], "--policy", "least_loaded", "--health-check-interval", "0.2", "--request-timeout", "60"
     )
 
-    # another client (not the router) queues three slow requests on `busy`
+    # another client (not the router) queues slow requests on `busy`: one in a forward, then two
+    # more that wait behind it (sent together, the three would share one forward and queue nothing)
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-    threads = [
-        in_background(lambda: asyncio.run(generate(busy.grpc_addr, d.grpc_addr, [5] * 20, params, timeout=60)))
-        for _ in range(3)
-    ]
+
+    def other_client():
+        return in_background(lambda: asyncio.run(generate(busy.grpc_addr, d.grpc_addr, [5] * 20, params, timeout=60)))
+
+    threads = [other_client()]
+    wait_for(lambda: busy.metrics()["pdmesh:num_running_reqs"] >= 1, 20, "a forward on the busy prefill")
+    threads += [other_client() for _ in range(2)]
     wait_for(lambda: busy.metrics()["pdmesh:num_queue_reqs"] >= 1, 20, "a queue on the busy prefill")
     # the router learns it from the Load RPC of its next probe
     wait_for(

@@ -24,6 +24,7 @@ PRINTABLE = range(32, 127)  # the built-in tokenizer's printable bytes
 # Some requests carry a grammar, so faults and migrations also hit structured output, whose
 # matcher state every new worker must rebuild from the ids
 GRAMMAR_SHARE = 0.15
+STREAM_INTERVAL_SHARE = 0.3  # streams that ask for several tokens per event
 WORDS_REGEX = r"[a-z]{2,8}( [a-z]{2,8}){0,6}\."
 
 
@@ -36,6 +37,8 @@ class Result:
     temperature: float
     seed: int | None
     stream: bool
+    # vLLM's stream_interval of a streamed request (tokens per event): the joined text must not change
+    stream_interval: int = 1
     # structured output, (kind, source) as SamplingParams.grammar: sent as the OpenAI field it
     # comes from, checked against single-process generation under the same grammar
     grammar: tuple[str, str] | None = None
@@ -85,7 +88,7 @@ def draw_request(rng: random.Random, rid: int, client: int) -> Result:
     if rng.random() < GRAMMAR_SHARE:
         grammar = ("regex", WORDS_REGEX) if rng.random() < 0.5 else (
             "json_schema", json.dumps(random_schema(rng.randrange(1 << 20)), sort_keys=True))
-    return Result(
+    r = Result(
         id=rid, client=client,
         prompt=[rng.choice(PRINTABLE) for _ in range(n_prompt)],
         max_tokens=rng.choice((4, 8, 16, 32, 64, 96)),
@@ -94,6 +97,9 @@ def draw_request(rng: random.Random, rid: int, client: int) -> Result:
         stream=rng.random() < 0.5,
         grammar=grammar,
     )
+    if r.stream and rng.random() < STREAM_INTERVAL_SHARE:
+        r.stream_interval = rng.choice((2, 4, 8))
+    return r
 
 
 def _body(r: Result) -> dict:
@@ -101,6 +107,8 @@ def _body(r: Result) -> dict:
             "temperature": r.temperature, "stream": r.stream}
     if r.seed is not None:
         body["seed"] = r.seed
+    if r.stream_interval > 1:
+        body["stream_interval"] = r.stream_interval
     if r.grammar is not None:
         kind, source = r.grammar
         if kind == "regex":

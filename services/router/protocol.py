@@ -106,6 +106,9 @@ class GenerateSpec:
     grammar_param: str = ""  # the request field the grammar came from, for errors about it
     # The reply's tool-call format when it is parsed for calls (tools given, tool_choice not none).
     tool_parser: str | None = None
+    # tool_choice named a function: a reply that makes the call finishes "stop", as OpenAI and vLLM
+    # answer a forced named call ("tool_calls" is for auto and required)
+    tool_named: bool = False
     min_p: float = 0.0
     allowed_token_ids: tuple[int, ...] = ()
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences (vLLM's tokenization of the words)
@@ -547,5 +550,6 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerateSpec:
         echo=bool(echoed),
         echo_text=echoed,
         tool_parser=tools.parser if tools else None,
+        tool_named=tools is not None and tools.choice == "function",
         **kw,
     )

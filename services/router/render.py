@@ -354,8 +354,11 @@ class ResponseState:
     # --- bodies -------------------------------------------------------------------------------
 
     def _finish_reason(self, finish_reason: str | None, has_calls: bool) -> str | None:
-        # a reply that ended by itself after making calls ends "for" them (a cut one stays "length")
-        return "tool_calls" if has_calls and finish_reason == "stop" else finish_reason
+        # a reply that ended by itself after making calls ends "for" them (a cut one stays "length");
+        # a call forced by name stays "stop", as OpenAI and vLLM answer it
+        if has_calls and finish_reason == "stop" and not self.spec.tool_named:
+            return "tool_calls"
+        return finish_reason
 
     def _message(self) -> tuple[dict[str, Any], str | None]:
         message: dict[str, Any] = {"role": "assistant", "content": self.text, "refusal": None}

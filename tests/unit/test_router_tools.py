@@ -297,6 +297,23 @@ def test_json_body_has_tool_calls(info, tok):
     assert "tool_calls" not in second["message"]
 
 
+@pytest.mark.parametrize("choice, finish", [
+    ("auto", "tool_calls"), ("required", "tool_calls"),
+    ({"type": "function", "function": {"name": "get_weather"}}, "stop"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_finish_reason_of_a_call_follows_openai_per_tool_choice(info, tok, choice, finish, stream):
+    """OpenAI (and vLLM) finish a reply that made calls with "tool_calls" under auto and required,
+    and with "stop" when tool_choice named the function; both ways, streamed or not."""
+    spec = chat(info, tools=TOOLS, tool_choice=choice, stream=stream)
+    state = ResponseState(spec, tok, TokenStrings(tok), "r")
+    payloads = feed_all(state, tok, hermes_call("get_weather", {"city": "Paris"}), sse=stream)
+    got = payloads[-1]["finish_reason"] if stream else state.body()["choices"][0]["finish_reason"]
+    assert got == finish
+    if not stream:
+        assert state.body()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
 def test_cut_call_keeps_length_and_stays_content(info, tok):
     spec = chat(info, tools=TOOLS)
     state = ResponseState(spec, tok, TokenStrings(tok), "r")
@@ -384,6 +401,7 @@ def test_llama31_template_end_to_end_in_the_router(llama_folder):
     state = ResponseState(spec, tok, TokenStrings(tok), "r")
     feed_all(state, tok, reply)
     choice = state.body()["choices"][0]
-    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    # a call forced by name finishes "stop", as OpenAI and vLLM answer it
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] is None
     assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather",
                                                                "arguments": '{"city": "Paris", "days": 1}'}

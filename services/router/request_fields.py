@@ -4,7 +4,7 @@ the openai SDK send some defaults explicitly).
 
 Every field of vLLM's ChatCompletionRequest and CompletionRequest is either implemented
 (services/router/protocol.py, prompts.py), informational (accepted, changes nothing: OpenAI
-defines it so), or listed here. tests/unit/test_vllm_fields.py walks vLLM's list and checks
+defines it so), or listed here, as are OpenAI's chat fields that ask for output other than text. tests/unit/test_vllm_fields.py walks vLLM's list and checks
 that each one lands in exactly one of those.
 """
 
@@ -51,6 +51,11 @@ REFUSED: dict[str, Refused] = {
     "thinking_token_budget": Refused("a thinking token budget is not supported", (None, -1)),
     "include_reasoning": Refused("no reasoning parser is configured, so there is no reasoning to leave out",
                                  (None, True), frozenset({CHAT})),
+    # OpenAI's (vLLM does not define them): they ask for output this server cannot give, which a
+    # 200 with text alone would hide
+    "modalities": Refused("this model answers in text only", (None, ["text"]), frozenset({CHAT})),
+    "audio": Refused("audio output is not supported: this model answers in text", kinds=frozenset({CHAT})),
+    "web_search_options": Refused("web search is not supported", kinds=frozenset({CHAT})),
 }
 
 # Accepted, and they change nothing, as OpenAI and vLLM define them: for the caller's own records

@@ -203,3 +203,20 @@ def test_refused_defaults_sent_explicitly_are_accepted():
     _completion(suffix="", thinking_token_budget=-1, routed_experts_prompt_start=0)
     with pytest.raises(APIError):
         _chat(priority=True)  # a boolean is not the integer default
+
+
+@pytest.mark.parametrize("name, value", [
+    ("modalities", ["text", "audio"]), ("modalities", ["audio"]),
+    ("audio", {"voice": "alloy", "format": "wav"}), ("web_search_options", {}),
+])
+def test_openai_fields_asking_for_more_than_text_are_refused(name, value):
+    """OpenAI's chat fields for audio output or web search: a 200 with text alone would hide that
+    they were not honoured."""
+    with pytest.raises(APIError) as err:
+        _chat(**{name: value})
+    assert err.value.status == 400 and err.value.param == name and name in err.value.message
+
+
+def test_openai_text_only_defaults_are_accepted():
+    assert _unlogged(_chat(modalities=["text"])) == _chat()
+    assert _unlogged(_chat(audio=None, web_search_options=None, modalities=None)) == _chat()

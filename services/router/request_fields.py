@@ -4,8 +4,9 @@ the openai SDK send some defaults explicitly).
 
 Every field of vLLM's ChatCompletionRequest and CompletionRequest is either implemented
 (services/router/protocol.py, prompts.py), informational (accepted, changes nothing: OpenAI
-defines it so), or listed here, as are OpenAI's chat fields that ask for output other than text. tests/unit/test_vllm_fields.py walks vLLM's list and checks
-that each one lands in exactly one of those.
+defines it so), or listed here, as are OpenAI's chat fields that ask for output other than
+text. tests/unit/test_vllm_fields.py walks vLLM's list and checks that each one lands in
+exactly one of those.
 """
 
 from __future__ import annotations

@@ -57,11 +57,16 @@ REFUSED: dict[str, Refused] = {
     "modalities": Refused("this model answers in text only", (None, ["text"]), frozenset({CHAT})),
     "audio": Refused("audio output is not supported: this model answers in text", kinds=frozenset({CHAT})),
     "web_search_options": Refused("web search is not supported", kinds=frozenset({CHAT})),
+    "verbosity": Refused("replies are not steered by a verbosity level", (None, "medium"), frozenset({CHAT})),
 }
 
 # Accepted, and they change nothing, as OpenAI and vLLM define them: for the caller's own records
-# (`user`, `metadata`, `store` — nothing is stored) and `session_id` (vLLM's, logged with the request).
-INFORMATIONAL = frozenset({"user", "metadata", "store", "session_id"})
+# (`user`, `metadata`, `store` — nothing is stored, `safety_identifier`), `session_id` (vLLM's,
+# logged with the request), and OpenAI's hints that never change the output: `prediction`
+# (predicted outputs only save latency), `prompt_cache_key` (the prefix cache keys by content
+# already), `service_tier`.
+INFORMATIONAL = frozenset({"user", "metadata", "store", "session_id", "safety_identifier", "prediction",
+                           "prompt_cache_key", "service_tier"})
 
 
 def refuse_unsupported(body: dict, kind: str) -> None:

@@ -34,7 +34,7 @@ def table(flags) -> str:
     rows = ["| flag | env twin | default | meaning |", "|---|---|---|---|"]
     for f in flags:
         choices = f" (one of {', '.join(f'`{c}`' for c in f.choices)})" if f.choices else ""
-        repeat = " Repeatable (env: comma-separated)." if f.repeatable else ""
+        repeat = " Repeatable (env: comma-separated, or a JSON list)." if f.repeatable else ""
         meaning = (f.help + choices + repeat).replace("|", "\\|")
         rows.append(f"| `--{f.name}` | `{f.env}` | {_default(f)} | {meaning} |")
     return "\n".join(rows) + "\n"

@@ -9,6 +9,7 @@ typed dataclass generated from its flag table (`PrefillSettings`, `DecodeSetting
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -195,6 +196,16 @@ ROUTER_FLAGS = [
          "tool_choice none)",
          choices=("auto", "none", "hermes", "llama3_json")),
     Flag("api-key", str, "", "require 'Authorization: Bearer KEY' when set"),
+    Flag("allowed-origins", str, ["*"],
+         "origins whose web pages may call the API from a browser (CORS), as vLLM's flag: * is every "
+         "origin, an empty value none.", repeatable=True),
+    Flag("allowed-methods", str, ["*"], "HTTP methods a cross-origin request may use (CORS); * is all.",
+         repeatable=True),
+    Flag("allowed-headers", str, ["*"], "request headers a cross-origin request may send (CORS); * is any.",
+         repeatable=True),
+    Flag("allow-credentials", bool, False,
+         "cross-origin requests may carry cookies and HTTP authentication (CORS); with --allowed-origins * "
+         "the response names the request's origin instead of *"),
     Flag("request-timeout", float, 600.0, "seconds after which a request fails with 504"),
     Flag("shutdown-timeout", float, 60.0,
          "seconds a stopping router (SIGTERM) keeps serving the requests it holds, streams included, while "
@@ -311,9 +322,23 @@ class _MalformedTwin:
         return bool(SERVICE_LINK.fullmatch(self.raw.strip()))
 
 
+def list_items(text: str) -> list[str]:
+    """A repeatable flag's values in one text: comma-separated, or a JSON list of strings (how vLLM
+    takes --allowed-origins). A bracketed text that is not such a list ("[::1]:50051") is one value."""
+    stripped = text.strip()
+    if stripped.startswith("[") and stripped.endswith("]"):
+        try:
+            items = json.loads(stripped)
+        except ValueError:
+            items = None
+        if isinstance(items, list) and all(isinstance(x, str) for x in items):
+            return [x.strip() for x in items if x.strip()]
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
 def _parse_env(flag: Flag, raw: str) -> Any:
     if flag.repeatable:
-        return [flag.type(x.strip()) for x in raw.split(",") if x.strip()]
+        return [flag.type(x) for x in list_items(raw)]
     return (_bool if flag.type is bool else flag.type)(raw)
 
 
@@ -373,11 +398,11 @@ def parse_args(prog: str, description: str, flags: Sequence[Flag], argv: Sequenc
     for f in flags:
         value = getattr(args, f.dest)
         if f.repeatable:
-            # command-line values replace the env twin; commas separate values in both
+            # command-line values replace the env twin; commas separate values in both (or a JSON list)
             values = _from_env(f) if value is None else value
             if isinstance(values, _MalformedTwin):
                 values = _resolve_malformed(parser, values)
-            setattr(args, f.dest, [x.strip() for v in values for x in str(v).split(",") if x.strip()])
+            setattr(args, f.dest, [x for v in values for x in list_items(str(v))])
         elif isinstance(value, _MalformedTwin):
             setattr(args, f.dest, _resolve_malformed(parser, value))
         elif f.choices and value not in f.choices:

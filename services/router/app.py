@@ -4,6 +4,7 @@ POST /v1/completions, POST /v1/chat/completions (JSON or SSE: generation_routes.
 GET /v1/models[/{id}] (model_routes.py), GET /health (200 while a healthy prefill+decode pair
 exists, else 503), GET /metrics, POST /reset_prefix_cache (service_routes.py), vLLM's extras
 (extra_routes.py), POST /v1/responses (translated into chat: responses_route.py). The router object they share: service.py.
+Browsers' cross-origin requests: CORS rules in front of all of it (cors.py).
 
 A streaming response starts (status 200, first SSE byte) only once decode's first token is
 in hand, so every failure before it is a proper HTTP status and is failed over to another
@@ -34,6 +35,7 @@ from services.router import (
     responses_route,
     service_routes,
 )
+from services.router.cors import cors
 from services.router.errors import APIError
 from services.router.fastpath import RouterApp
 from services.router.service import Router
@@ -85,6 +87,8 @@ def create_app(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> 
         return router.error_response(APIError(500, "Internal server error.", code="internal_error"))
 
     app.fast_error = internal_error
+    app.cors = cors(app.route_through_send, settings.allowed_origins, settings.allowed_methods,
+                    settings.allowed_headers, settings.allow_credentials)
     extra_routes.register(app, router)
     responses_route.register(app, router)
     return app

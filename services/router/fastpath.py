@@ -9,6 +9,10 @@ method + path pairs to their handler directly; everything else — other methods
 both routes — goes through FastAPI as before. An exception escaping the handler is answered as
 FastAPI's catch-all handler would (the same 500 body), then re-raised as Starlette's
 ServerErrorMiddleware does, so uvicorn logs it the same way.
+
+A request from a browser (one with an `Origin` header) goes through the CORS rules first
+(`cors`, services/router/cors.py), which add their headers as the response starts: its whole
+body then goes out through `send` too, not past it.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ from collections.abc import Awaitable, Callable
 from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.router.connection_guard import CYCLE_EXTENSION, write_whole
+from services.router.cors import has_origin
 
 Handler = Callable[[Request], Awaitable[Response]]
 ErrorHandler = Callable[[Request, Exception], Awaitable[Response]]
@@ -33,16 +38,31 @@ class RouterApp(FastAPI):
         super().__init__(*args, **kwargs)
         self.fast_post: dict[str, Handler] = {}  # path → handler, also registered as FastAPI routes
         self.fast_error: ErrorHandler | None = None  # what FastAPI's Exception handler would answer
+        self.cors: ASGIApp | None = None  # the CORS rules, wrapping `route_through_send`
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and not self.root_path:
-            handler = self.fast_post.get(scope["path"])
+        if scope["type"] == "http":
+            if self.cors is not None and has_origin(scope["headers"]):
+                await self.cors(scope, receive, send)
+                return
+            handler = self._fast_handler(scope)
             if handler is not None:
-                await self._serve(handler, scope, receive, send)
+                await self._serve(handler, scope, receive, send, True)
                 return
         await super().__call__(scope, receive, send)
 
-    async def _serve(self, handler: Handler, scope: Scope, receive: Receive, send: Send) -> None:
+    async def route_through_send(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Every route, every response through `send` (what a middleware wrapping this sees)."""
+        handler = self._fast_handler(scope) if scope["type"] == "http" else None
+        if handler is not None:
+            await self._serve(handler, scope, receive, send, False)
+            return
+        await super().__call__(scope, receive, send)
+
+    def _fast_handler(self, scope: Scope) -> Handler | None:
+        return self.fast_post.get(scope["path"]) if scope["method"] == "POST" and not self.root_path else None
+
+    async def _serve(self, handler: Handler, scope: Scope, receive: Receive, send: Send, direct: bool) -> None:
         scope["app"] = self
         request = Request(scope, receive)
         try:
@@ -52,7 +72,7 @@ class RouterApp(FastAPI):
                 await (await self.fast_error(request, exc))(scope, receive, send)
             raise
         # a body already whole (not a stream, nothing to run after it): one write on the connection
-        if type(response).__call__ is Response.__call__ and response.background is None:
+        if direct and type(response).__call__ is Response.__call__ and response.background is None:
             cycle = scope.get("extensions", {}).get(CYCLE_EXTENSION)
             if cycle is not None and write_whole(cycle, response.status_code, response.raw_headers, response.body):
                 return

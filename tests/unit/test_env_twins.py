@@ -87,6 +87,21 @@ def test_repeatable_twin_still_splits_on_commas(monkeypatch):
     assert router_args(["--prefill", "c:1"]).prefill == ["c:1"]
 
 
+def test_repeatable_flags_also_take_a_json_list_as_vllm_does(monkeypatch):
+    # vLLM's --allowed-origins '["https://a", "https://b"]'; commas inside it are not separators
+    args = router_args(["--allowed-origins", '["https://a", "https://b"]', "--allowed-origins", "https://c,https://d"])
+    assert args.allowed_origins == ["https://a", "https://b", "https://c", "https://d"]
+    monkeypatch.setenv("PDMESH_ALLOWED_ORIGINS", '["https://e"]')
+    assert router_args([]).allowed_origins == ["https://e"]
+    monkeypatch.setenv("PDMESH_ALLOWED_ORIGINS", "")
+    assert router_args([]).allowed_origins == []  # an empty value: no origin
+    monkeypatch.delenv("PDMESH_ALLOWED_ORIGINS")
+    assert router_args([]).allowed_origins == ["*"] and router_args([]).allowed_methods == ["*"]
+    # a bracketed address is one value, not a list
+    assert router_args(["--prefill", "[::1]:50051", "--prefill", "[::1]"]).prefill == ["[::1]:50051", "[::1]"]
+    assert router_args(["--prefill", '["[::1]:1", "h:2"]']).prefill == ["[::1]:1", "h:2"]
+
+
 def test_make_run_ignores_a_service_link_in_its_port_settings(monkeypatch):
     from services.mesh import _port
 

@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.router.connection_guard import CYCLE_EXTENSION, write_whole
@@ -49,6 +50,8 @@ class RouterApp(FastAPI):
             if handler is not None:
                 await self._serve(handler, scope, receive, send, True)
                 return
+            if scope["method"] == "HEAD":
+                scope = self._head_as_get(scope)
         await super().__call__(scope, receive, send)
 
     async def route_through_send(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -57,7 +60,19 @@ class RouterApp(FastAPI):
         if handler is not None:
             await self._serve(handler, scope, receive, send, False)
             return
+        if scope["type"] == "http" and scope["method"] == "HEAD":
+            scope = self._head_as_get(scope)
         await super().__call__(scope, receive, send)
+
+    def _head_as_get(self, scope: Scope) -> Scope:
+        """HEAD of a GET route is served as its GET (HTTP requires it of every GET resource:
+        uptime monitors and `curl -I` send it; FastAPI's routes answer only the methods they
+        name). The server leaves the body out, since its own scope still says HEAD. Elsewhere the
+        scope stays as it came, so a 404 or 405 names the method the client sent."""
+        as_get = dict(scope, method="GET")
+        if any(route.matches(as_get)[0] is Match.FULL for route in self.router.routes):
+            return as_get
+        return scope
 
     def _fast_handler(self, scope: Scope) -> Handler | None:
         return self.fast_post.get(scope["path"]) if scope["method"] == "POST" and not self.root_path else None

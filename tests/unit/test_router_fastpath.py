@@ -40,3 +40,24 @@ def test_what_the_fast_path_leaves_is_fastapis(cluster):
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "Hello"  # FastAPI's redirect, then served
     paths = httpx.get(cluster.url + "/openapi.json", timeout=10).json()["paths"]
     assert {"/v1/completions", "/v1/chat/completions"} <= set(paths)
+
+
+def test_head_of_a_get_route_is_its_get_without_the_body(cluster):
+    for path in ("/health", "/v1/models", "/v1/models/pdmesh-tiny", "/metrics", "/version", "/load", "/ping"):
+        got = httpx.get(cluster.url + path, timeout=10)
+        head = httpx.head(cluster.url + path, timeout=10)
+        assert head.status_code == got.status_code == 200, path
+        assert head.content == b"" and head.headers.get("content-type") == got.headers.get("content-type"), path
+        if path not in ("/metrics", "/health", "/load"):  # their bodies change between two calls
+            assert head.headers["content-length"] == got.headers["content-length"], path
+    # a path without a GET route: the method the client sent is the one named
+    r = httpx.head(cluster.url + "/v1/completions", timeout=10)
+    assert r.status_code == 405 and r.content == b""
+    assert r.headers["content-type"] == "application/json"
+    r = httpx.request("HEAD", cluster.url + "/nowhere", timeout=10)
+    assert r.status_code == 404
+    # and the connection stays usable after a HEAD (no body left behind on it)
+    with httpx.Client(base_url=cluster.url, timeout=10) as client:
+        for _ in range(3):
+            assert client.head("/health").status_code == 200
+            assert client.post("/v1/completions", json=completion()).json()["choices"][0]["text"] == "Hello"

@@ -55,6 +55,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+def unsupported_content_encoding(encoding: str) -> APIError:
+    return APIError(415, f"Request bodies with Content-Encoding '{encoding[:64]}' are not supported; send the "
+                         "JSON uncompressed.", code="unsupported_content_encoding")
+
+
 def invalid_type(param: str, expected: str, value: Any) -> APIError:
     return bad_request(
         f"Invalid type for '{param}': expected {expected}, but got {json_type(value)} instead.",

@@ -50,6 +50,10 @@ class BodyReader:
         except RecursionError:
             raise errors.nested_too_deeply() from None
         except (ValueError, UnicodeDecodeError) as e:
+            # looked at only when the body does not parse: a compressed body is the likely cause
+            encoding = request.headers.get("content-encoding", "identity").strip().lower()
+            if encoding != "identity":
+                raise errors.unsupported_content_encoding(encoding) from None
             raise errors.bad_request(
                 f"We could not parse the JSON body of your request ({e}). Send valid JSON.", code="invalid_json"
             ) from None

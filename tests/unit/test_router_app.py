@@ -7,6 +7,7 @@ freeze) are injected exactly where wanted. Every wait is bounded; nothing sleeps
 from __future__ import annotations
 
 import asyncio
+import gzip
 import http.client
 import json
 import socket
@@ -294,6 +295,19 @@ def test_bad_inputs_never_reach_a_worker(cluster, path, data, status, param):
     assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["param"] == param
     assert cluster.total_rooms() == 0
     assert post(cluster, "/v1/completions", completion()).status_code == 200  # still serving
+
+
+def test_a_compressed_body_is_named_as_the_problem(cluster):
+    body = gzip.compress(json.dumps(completion()).encode())
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+        r = raw_post(cluster, path, body, {"content-encoding": "gzip"})
+        assert r.status_code == 415, r.text
+        assert r.json()["error"]["code"] == "unsupported_content_encoding" and "gzip" in r.json()["error"]["message"]
+    assert raw_post(cluster, "/v1/completions", body).status_code == 400  # without the header: not JSON
+    assert cluster.total_rooms() == 0
+    # a body that parses is served
+    assert raw_post(cluster, "/v1/completions", json.dumps(completion()).encode(),
+                    {"content-encoding": "identity"}).status_code == 200
 
 
 def test_method_not_allowed_is_an_openai_error(cluster):

@@ -20,7 +20,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from services.router.attempt import Chunk
 from services.router.request_state import PrefillShare
 
-__all__ = ["FanIn", "PrefillShare", "Single"]
+__all__ = ["IDLE", "FanIn", "PrefillShare", "Single"]
+
+# what FanIn.next() answers when woken by wake_idle() with nothing queued: (IDLE, None)
+IDLE = -1
+_IDLE_WAKE = object()
 
 
 class FanIn:
@@ -79,10 +83,19 @@ class FanIn:
         while not self._items:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
-                await self._waiter
+                woken = await self._waiter
             finally:
                 self._waiter = None
+            if woken is _IDLE_WAKE and not self._items:
+                return IDLE, None
         return self._got(*self._items.popleft())
+
+    def wake_idle(self) -> None:
+        """A caller waiting in next() gets (IDLE, None) now unless a chunk is already queued for it
+        (a stream that has been silent too long writes a keep-alive, stream_response.py)."""
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(_IDLE_WAKE)
 
     def next_nowait(self) -> tuple[int, Chunk | None] | None:
         """As next(), for a chunk already queued; None when nothing is (the caller then awaits next())."""

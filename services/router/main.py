@@ -57,8 +57,9 @@ def main(argv=None) -> None:
     if args.max_header_bytes < 1024:
         log.error("--max-header-bytes must be at least 1024 (a request line and the headers every client sends)")
         sys.exit(2)
-    if args.max_migrations < 0 or args.stream_stall_timeout <= 0:
-        log.error("--max-migrations must be 0 or more and --stream-stall-timeout positive")
+    if args.max_migrations < 0 or args.stream_stall_timeout <= 0 or args.stream_keepalive_interval < 0:
+        log.error("--max-migrations and --stream-keepalive-interval must be 0 or more and --stream-stall-timeout "
+                  "positive")
         sys.exit(2)
     if (not 0.0 <= args.cache_threshold <= 1.0 or args.balance_abs_threshold < 0 or args.balance_rel_threshold < 1.0
             or args.prefix_index_max_pages < 1 or args.local_prefill_max_tokens < 0):

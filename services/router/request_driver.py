@@ -140,10 +140,11 @@ class RequestDriver:
         return True
 
     async def next(self) -> tuple[int, object]:
-        """The next chunk of a choice still running."""
+        """The next chunk of a choice still running, or (fanout.IDLE, None) when the fan-in was
+        woken by its idle timer (FanIn.wake_idle) with nothing to hand."""
         while True:
             index, chunk = await self.fan.next()
-            if self._take(index, chunk):
+            if index < 0 or self._take(index, chunk):
                 return index, chunk
 
     def next_nowait(self) -> tuple[int, object] | None:

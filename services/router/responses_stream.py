@@ -172,6 +172,9 @@ async def translate_sse(chat_events: AsyncIterator[bytes], echo: dict[str, Any])
             *whole, pending = pending.split(b"\n\n")
             events: list[bytes] = []
             for event in whole:
+                if event.startswith(b":"):  # a keep-alive comment: the client's connection needs it as much
+                    events.append(event + b"\n\n")
+                    continue
                 if not event.startswith(b"data: "):
                     continue
                 body = event[len(b"data: "):]

@@ -1,7 +1,8 @@
 """A request's SSE response: its first byte waits for every choice's first chunk (so a failure
 before it is still an HTTP status, failed over by the orchestrator), then one event per token,
 coalesced into one write while chunks are already in hand; an error after the first byte is an
-error event and `[DONE]`. A client that falls too far behind is cut off as a stalled reader."""
+error event and `[DONE]`; a stream silent for --stream-keepalive-interval gets a comment
+(stream_keepalive.py). A client that falls too far behind is cut off as a stalled reader."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from fastapi.responses import Response
 
 from services.common.logging_setup import bound_room, get_logger
 from services.router.errors import APIError
+from services.router.fanout import IDLE
 from services.router.http_errors import CLIENT_CLOSED, error_json
 from services.router.sse import DONE, ClientDisconnected, SSEResponse, run_until_disconnect, sse_event
 from services.router.stream_interval import IntervalBatch
+from services.router.stream_keepalive import KEEPALIVE, IdleTimer
 
 log = get_logger("router")
 
@@ -79,6 +82,8 @@ async def _events(driver, first: list[tuple[int, object]], outcome: dict[str, An
     buf: list[bytes] = []
     interval = driver.spec.stream_interval
     batches = [IntervalBatch(interval) for _ in driver.states] if interval > 1 else None
+    quiet = driver.router.settings.stream_keepalive_interval
+    idle = IdleTimer(quiet, driver.fan.wake_idle) if quiet > 0 else None
     try:
         if driver.spec.kind == "chat":
             for state in driver.states:
@@ -90,8 +95,13 @@ async def _events(driver, first: list[tuple[int, object]], outcome: dict[str, An
                 if buf:
                     yield b"".join(buf)
                     buf.clear()
+                    if idle is not None:
+                        idle.wrote()
                 got = await driver.next()
             index, chunk = got
+            if index == IDLE:  # silent for --stream-keepalive-interval: a comment the client skips
+                buf.append(KEEPALIVE)
+                continue
             state = driver.states[index]
             if state.finished:
                 # read before the stream began (while waiting for every choice's first chunk),
@@ -123,6 +133,8 @@ async def _events(driver, first: list[tuple[int, object]], outcome: dict[str, An
         outcome.update(status=500, error=repr(e))
         buf.append(sse_event(error.body()))
     finally:
+        if idle is not None:
+            idle.close()
         await driver.fan.close()
     buf.append(DONE)
     yield b"".join(buf)

@@ -4,6 +4,7 @@
 #   docker-compose  -> docker-compose         (tests/unit/test_deploy_compose.py; validates offline)
 #   nftables        -> nft                    (tests/hosts: partitions between network namespaces)
 #   iproute2        -> ip, tc                 (tests/hosts: the namespaces, their links and rate caps)
+#   nginx-light     -> nginx                  (tests/unit/test_router_behind_nginx.py: a reverse proxy in front)
 # Quiet and idempotent; never fails the build. Without root or apt-get it only says what is
 # missing, and the tests that need it skip with a message naming the package.
 # Set PDMESH_SKIP_TOOL_INSTALL=1 to never touch apt.
@@ -15,6 +16,7 @@ missing=()
 command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
 command -v nft >/dev/null 2>&1 || missing+=(nftables)
 { command -v ip && command -v tc; } >/dev/null 2>&1 || missing+=(iproute2)
+command -v nginx >/dev/null 2>&1 || missing+=(nginx-light)
 [ ${#missing[@]} -eq 0 ] && exit 0
 
 say() { echo "ensure_test_tools: $*" >&2; }

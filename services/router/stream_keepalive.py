@@ -8,7 +8,8 @@ connection that stays silent past their read or idle timeout (nginx's `proxy_rea
 60 s; cloud load balancers' idle timeouts), which would end the very stream the router keeps
 alive through the fault. So a stream silent for `--stream-keepalive-interval` seconds gets an
 SSE comment, `: keep-alive`, which SSE clients skip (the `openai` SDK, browsers' EventSource,
-httpx-sse, AIPerf).
+httpx-sse, AIPerf): the HTML standard's server-sent events section recommends exactly this, a
+comment line "every 15 seconds or so", against proxies that drop quiet connections.
 
 One timer per stream, re-armed only when it fires: a write costs a clock read. The timer wakes
 the stream's fan-in (`FanIn.wake_idle`) only while the stream waits for a chunk, never while a

@@ -227,5 +227,5 @@ def _soak(m: Mesh) -> None:
 def sse_text(raw: str) -> str:
     import json
 
-    events = [e.removeprefix("data: ") for e in raw.split("\n\n") if e]
+    events = [e.removeprefix("data: ") for e in raw.split("\n\n") if e and not e.startswith(":")]
     return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1] if json.loads(e).get("choices"))

@@ -224,7 +224,7 @@ class Conversation:
         if resp.status != 200:
             return resp.status, raw, elapsed
         if stream:
-            events = [e.removeprefix("data: ") for e in raw.split("\n\n") if e]
+            events = [e.removeprefix("data: ") for e in raw.split("\n\n") if e and not e.startswith(":")]
             assert events[-1] == "[DONE]", raw[-300:]
             payloads = [json.loads(e) for e in events[:-1]]
             if "error" in payloads[-1]:

@@ -56,7 +56,7 @@ def read_stream(url: str, payload: dict, after: int = 0, fault=None) -> tuple[st
         with client.stream("POST", url + "/v1/completions", json=payload) as resp:
             assert resp.status_code == 200, resp.read()
             for line in resp.iter_lines():
-                if not line:
+                if not line or line.startswith(":"):  # a keep-alive comment (SSE): skipped, as clients do
                     continue
                 assert line.startswith("data: "), line
                 data = line.removeprefix("data: ")

@@ -236,7 +236,8 @@ ROUTER_FLAGS = [
     Flag("keep-alive-timeout", float, 75.0, "seconds an idle keep-alive connection stays open"),
     Flag("max-connections", int, 4096,
          "open client connections (per router process); at the limit a new one closes the longest-idle one (between requests "
-         "or still sending headers), or is refused when none is idle"),
+         "or still sending headers), or is refused when none is idle. The router raises its open-files limit to "
+         "hold them (fewer, with a warning, where the hard limit is lower)"),
     Flag("max-grammar-bytes", int, 1024 * 1024,
          "largest grammar one request may carry (a response_format / structured_outputs schema, regex or "
          "grammar, or the tools' parameter schemas of a forced tool call); larger ones get 400"),

@@ -13,6 +13,7 @@ from services.common.config import RouterSettings, ignored_env_twins, parse_comm
 from services.common.grpc_server import configure_internal_token
 from services.common.listening import listening_socket
 from services.common.logging_setup import configure_logging, get_logger
+from services.common.open_files import RESERVED, connections_within, raise_soft_limit
 from services.common.parent_death import die_with
 from services.router.app import create_app
 from services.router.connection_guard import ConnectionLimits, guarded_protocol
@@ -92,7 +93,15 @@ def main(argv=None) -> None:
     except (ValueError, OSError) as e:  # the tokenizer or chat template the settings name
         log.error(f"cannot load the model's tokenizer or chat template: {e}", error=type(e).__name__)
         sys.exit(EXIT_CONFIG)
-    limits = ConnectionLimits(args.header_timeout, args.client_write_timeout, args.max_connections,
+    soft, hard = raise_soft_limit(args.max_connections + RESERVED)
+    max_connections = connections_within(args.max_connections, soft)
+    if max_connections < args.max_connections:
+        log.warning(f"the open-files limit is {soft} (hard {hard}): below --max-connections {args.max_connections} "
+                    f"plus {min(RESERVED, soft // 4)} for the router's own files, so it serves at most "
+                    f"{max_connections} connections at once; raise the limit (ulimit -n; compose: ulimits: nofile; "
+                    "the container runtime's default) to allow more",
+                    open_files=soft, open_files_hard=hard, max_connections=max_connections)
+    limits = ConnectionLimits(args.header_timeout, args.client_write_timeout, max_connections,
                               args.max_header_bytes)
     config = server_config(app, limits, host=args.host, port=args.port,
                            log_level="debug" if args.log_level == "debug" else "warning",

@@ -286,7 +286,9 @@ def test_a_killed_supervisor_takes_its_processes_with_it(fakes, routers):
 
     wait_for(lambda: all(process_gone(pid) for pid in children), 10,
              "the router processes to die with their supervisor")
-    with pytest.raises(httpx.ConnectError):
+    # nothing answers on the port: refused, or (rarely, once a parallel test has taken the freed
+    # port number for a socket of its own) reset
+    with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
         httpx.get(r.url + "/health", timeout=2)
 
 

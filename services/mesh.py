@@ -71,7 +71,8 @@ def example_curl() -> str:
     the built-in one), and the API key's header when PDMESH_API_KEY is set."""
     model = served_name(os.environ.get("PDMESH_MODEL", "") or "builtin",
                         os.environ.get("PDMESH_SERVED_MODEL_NAME", ""))
-    auth = " -H \"Authorization: Bearer $PDMESH_API_KEY\"" if os.environ.get("PDMESH_API_KEY") else ""
+    # the first key where several are set (comma-separated), left to the shell so the secret is not printed
+    auth = " -H \"Authorization: Bearer ${PDMESH_API_KEY%%,*}\"" if os.environ.get("PDMESH_API_KEY") else ""
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
     return (f"curl http://{HOST}:{ROUTER_PORT}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
             f"  -d {shlex.quote(body)}")

@@ -3,6 +3,7 @@ name one, so the printed command says each flag once."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import pytest
@@ -85,4 +86,9 @@ def test_make_run_s_printed_curl_names_the_served_model_and_the_key_when_set(mon
     monkeypatch.setenv("PDMESH_API_KEY", "secret")
     curl = mesh.example_curl()
     assert '"model": "chat-model"' in curl and "secret" not in curl
-    assert '-H "Authorization: Bearer $PDMESH_API_KEY"' in curl
+    assert '-H "Authorization: Bearer ${PDMESH_API_KEY%%,*}"' in curl
+    # the shell makes it the first of several keys, and the key itself where there is one
+    for keys, first in (("secret", "secret"), ("new-key,old-key", "new-key")):
+        out = subprocess.run(["sh", "-c", 'printf %s "${PDMESH_API_KEY%%,*}"'], env={"PDMESH_API_KEY": keys},
+                             capture_output=True, text=True, check=True)
+        assert out.stdout == first

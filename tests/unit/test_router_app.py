@@ -342,6 +342,16 @@ def test_api_key(cluster_factory):
     assert c.total_rooms() == 2
 
 
+def test_several_api_keys_any_of_them(cluster_factory):
+    # a rotation: the old key and the new one both work until the old one is dropped
+    c = cluster_factory(api_key=["new-key", "old-key"])
+    for key in ("new-key", "old-key"):
+        r = post(c, "/v1/completions", completion(), headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200, r.text
+    for headers in ({}, {"Authorization": "Bearer new-key,old-key"}, {"Authorization": "Bearer other"}):
+        assert post(c, "/v1/completions", completion(), headers=headers).status_code == 401
+
+
 def test_concurrency_limit_is_429(cluster_factory):
     c = cluster_factory(max_concurrent_requests=1)
     c.decodes[0].behaviour = Behaviour(delay=3)  # holds the one slot while the second request arrives, even on a loaded machine

@@ -195,9 +195,10 @@ ROUTER_FLAGS = [
          "llama3_json (Llama 3.1+ JSON), auto (detected from the chat template) or none (tools only with "
          "tool_choice none)",
          choices=("auto", "none", "hermes", "llama3_json")),
-    Flag("api-key", str, [],
-         "require 'Authorization: Bearer KEY' with one of these keys when set, as vLLM's flag (several: a "
-         "rotation accepts the old key and the new one until clients have moved)", repeatable=True),
+    Flag("api-key", str, "",
+         "require 'Authorization: Bearer KEY' when set; several keys, comma-separated (or a JSON list), are "
+         "each accepted, as vLLM's flag takes several: a rotation accepts the old key and the new one until "
+         "clients have moved"),
     Flag("allowed-origins", str, ["*"],
          "origins whose web pages may call the API from a browser (CORS), as vLLM's flag: * is every "
          "origin, an empty value none.", repeatable=True),

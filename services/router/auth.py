@@ -1,5 +1,6 @@
 """The client API keys (--api-key): `Authorization: Bearer KEY` with one of them, compared in
-constant time. Several keys let a rotation accept the old key and the new one at once."""
+constant time. Several keys (comma-separated, or a JSON list) let a rotation accept the old key
+and the new one at once."""
 
 from __future__ import annotations
 
@@ -8,13 +9,19 @@ from collections.abc import Sequence
 
 from starlette.requests import Request
 
+from services.common.config import list_items
 from services.router import errors
 
 
-def check_api_key(keys: Sequence[str] | str, request: Request) -> None:
-    """401 unless the request carries one of `keys` (none set: every request passes)."""
-    if isinstance(keys, str):  # one key, as settings made in code may give it
-        keys = [keys] if keys else []
+def api_keys(setting: str | Sequence[str]) -> list[str]:
+    """The keys a setting holds: "a,b", '["a", "b"]', or already a list; empty: none."""
+    if isinstance(setting, str):
+        return list_items(setting)
+    return [key for item in setting for key in list_items(item)]
+
+
+def check_api_key(keys: Sequence[str], request: Request) -> None:
+    """401 unless the request carries one of `keys` (api_keys(); none: every request passes)."""
     if not keys:
         return
     header = request.headers.get("authorization", "")

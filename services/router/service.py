@@ -16,7 +16,7 @@ from services.common.metrics import Metrics
 from services.common.tokenizer import Tokenizer, load_tokenizer
 from services.router import model_controls
 from services.router.admission import Admission
-from services.router.auth import check_api_key
+from services.router.auth import api_keys, check_api_key
 from services.router.canary import Canary
 from services.router.errors import APIError
 from services.router.http_errors import error_json
@@ -34,6 +34,7 @@ log = get_logger("router")
 class Router:
     def __init__(self, settings: RouterSettings, tokenizer: Tokenizer | None = None):
         self.settings = settings
+        self.api_keys = api_keys(settings.api_key)  # parsed once: checked on every request
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings.model)
         template = model_controls.chat_template(settings.chat_template)
         if template is not None:
@@ -135,7 +136,7 @@ class Router:
         return error_json(error, request_id)
 
     def check_auth(self, request: Request) -> None:
-        check_api_key(self.settings.api_key, request)
+        check_api_key(self.api_keys, request)
 
     async def read_json(self, request: Request):
         """The parsed body and its size in bytes (services/router/request_body.py's bounds)."""

@@ -97,9 +97,6 @@ def test_repeatable_flags_also_take_a_json_list_as_vllm_does(monkeypatch):
     assert router_args([]).allowed_origins == []  # an empty value: no origin
     monkeypatch.delenv("PDMESH_ALLOWED_ORIGINS")
     assert router_args([]).allowed_origins == ["*"] and router_args([]).allowed_methods == ["*"]
-    assert router_args(["--api-key", "new", "--api-key", "old"]).api_key == ["new", "old"]
-    monkeypatch.setenv("PDMESH_API_KEY", "new,old")
-    assert router_args([]).api_key == ["new", "old"]
     # a bracketed address is one value, not a list
     assert router_args(["--prefill", "[::1]:50051", "--prefill", "[::1]"]).prefill == ["[::1]:50051", "[::1]"]
     assert router_args(["--prefill", '["[::1]:1", "h:2"]']).prefill == ["[::1]:1", "h:2"]

@@ -24,6 +24,7 @@ from services.common.config import RouterSettings
 from services.fakes.workers import Behaviour, FakeDecode, FakePrefill
 from services.launch.ports import free_port
 from services.router.app import create_app
+from services.router.auth import api_keys
 from services.router.connection_guard import ConnectionLimits
 from services.router.main import server_config
 
@@ -344,12 +345,15 @@ def test_api_key(cluster_factory):
 
 def test_several_api_keys_any_of_them(cluster_factory):
     # a rotation: the old key and the new one both work until the old one is dropped
-    c = cluster_factory(api_key=["new-key", "old-key"])
+    c = cluster_factory(api_key="new-key,old-key")
     for key in ("new-key", "old-key"):
         r = post(c, "/v1/completions", completion(), headers={"Authorization": f"Bearer {key}"})
         assert r.status_code == 200, r.text
     for headers in ({}, {"Authorization": "Bearer new-key,old-key"}, {"Authorization": "Bearer other"}):
         assert post(c, "/v1/completions", completion(), headers=headers).status_code == 401
+    # the JSON-list form, and a setting given as a list in code
+    assert api_keys('["a", "b,c"]') == ["a", "b,c"] and api_keys(["a", "b,c"]) == ["a", "b", "c"]
+    assert api_keys("") == [] and api_keys(" a , b ") == ["a", "b"]
 
 
 def test_concurrency_limit_is_429(cluster_factory):

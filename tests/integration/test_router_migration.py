@@ -1,8 +1,9 @@
 """Migration after the first byte, against real processes (1 prefill + 2 decodes, real gRPC and NIXL).
 
 A streamed completion of 1,500 tokens with ignore_eos; after 40 chunks the decode running it is
-SIGKILLed (or SIGSTOPped, thawed after the stream ended): the client's stream completes with
-finish_reason "length", no error event, and exactly the text of an uninterrupted run — greedy,
+SIGKILLed (or SIGSTOPped, thawed after the stream ended, the silence meanwhile carrying SSE
+keep-alive comments): the client's stream completes with finish_reason "length", no error event,
+and exactly the text of an uninterrupted run — greedy,
 and with seeded sampling (temperature 0.8). The built-in model's context is 8192 positions,
 so prompt + 1,500 fits with room to spare.
 """
@@ -31,8 +32,10 @@ PREFILL_FLAGS = (*MODEL_FLAGS, "--inflight-timeout", "2", "--watchdog-interval",
 DECODE_FLAGS = (*MODEL_FLAGS, "--watchdog-interval", "0.5", "--heartbeat-interval", "0.5", "--transfer-timeout", "3",
                 "--prealloc-timeout", "4")
 STALL_TIMEOUT = 2.0
+KEEPALIVE = 0.3  # --stream-keepalive-interval: the silence around a frozen decode carries comments
 ROUTER_FLAGS = (*MODEL_FLAGS, "--health-check-interval", "0.5", "--health-check-timeout", "0.5",
-                "--request-timeout", "120", "--stream-stall-timeout", str(STALL_TIMEOUT))
+                "--request-timeout", "120", "--stream-stall-timeout", str(STALL_TIMEOUT),
+                "--stream-keepalive-interval", str(KEEPALIVE))
 TOKENS = 1500
 PROMPT = "Once upon a time, in a mesh far away"
 
@@ -49,13 +52,18 @@ def body(**kw) -> dict:
             "stream_options": {"include_usage": True}, **kw}
 
 
-def read_stream(url: str, payload: dict, after: int = 0, fault=None) -> tuple[str, list[dict]]:
-    """Stream a completion; after `after` chunks call fault() once. Returns (text, events)."""
+def read_stream(url: str, payload: dict, after: int = 0, fault=None,
+                comments: list[float] | None = None) -> tuple[str, list[dict]]:
+    """Stream a completion; after `after` chunks call fault() once. Returns (text, events); the
+    time of each keep-alive comment since the fault goes into `comments` when given."""
     events: list[dict] = []
+    faulted: dict[str, float] = {}
     with httpx.Client(timeout=httpx.Timeout(60.0)) as client:
         with client.stream("POST", url + "/v1/completions", json=payload) as resp:
             assert resp.status_code == 200, resp.read()
             for line in resp.iter_lines():
+                if line.startswith(":") and comments is not None and "at" in faulted:
+                    comments.append(time.monotonic() - faulted["at"])
                 if not line or line.startswith(":"):  # a keep-alive comment (SSE): skipped, as clients do
                     continue
                 assert line.startswith("data: "), line
@@ -64,6 +72,7 @@ def read_stream(url: str, payload: dict, after: int = 0, fault=None) -> tuple[st
                     break
                 events.append(json.loads(data))
                 if fault is not None and len(events) == after:
+                    faulted["at"] = time.monotonic()
                     fault()
     text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
     return text, events
@@ -150,8 +159,9 @@ def test_sigstop_mid_stream_migrates_and_the_frozen_decode_recovers(mesh3, refer
         frozen["proc"].stop()
 
     t0 = time.monotonic()
+    comments: list[float] = []
     try:
-        text, events = read_stream(r.http_url, body(temperature=0), after=40, fault=freeze)
+        text, events = read_stream(r.http_url, body(temperature=0), after=40, fault=freeze, comments=comments)
     finally:
         if "proc" in frozen:
             frozen["proc"].cont()  # thawed after the stream ended
@@ -159,6 +169,8 @@ def test_sigstop_mid_stream_migrates_and_the_frozen_decode_recovers(mesh3, refer
     assert_seamless(text, events, expected)
     assert migrations(r) == before + 1
     assert elapsed < 60, elapsed
+    # the client heard keep-alive comments while the frozen decode was given up and the stream moved
+    assert comments and comments[0] < 2 * KEEPALIVE + 1, comments
     d = frozen["proc"]
     wait_for(lambda: httpx.get(r.http_url + "/health", timeout=5).json()["decode"][d.grpc_addr]["healthy"],
              20, "the thawed decode to be re-admitted")

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from services.launch.launcher import Launcher
-from services.launch.probes import wait_for
+from services.launch.probes import scrape_metrics, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -56,6 +56,8 @@ def test_a_low_soft_limit_is_raised(tmp_path):
                                    prefix=("prlimit", "--nofile=256:8192"))
         assert soft_limit(router.popen.pid) == 2000 + 256
         assert "open-files limit" not in router.log()
+        r = httpx.post(router.http_url + "/v1/completions", json=NORMAL, timeout=10)
+        assert r.status_code == 200 and scrape_metrics(router.http_url)["pdmesh:router_num_running_reqs"] == 0
 
 
 def test_a_low_hard_limit_shrinks_the_connection_bound_instead_of_locking_clients_out(tmp_path):
@@ -77,3 +79,6 @@ def test_a_low_hard_limit_shrinks_the_connection_bound_instead_of_locking_client
         finally:
             for s in idle:
                 s.close()
+        # nothing held afterwards: no admission slot, no body being read (fake workers hold no KV)
+        wait_for(lambda: scrape_metrics(router.http_url).get("pdmesh:router_num_running_reqs", 1) == 0, 10,
+                 "the router to hold no admission slot")

@@ -33,9 +33,13 @@ def raise_soft_limit(wanted: int) -> tuple[int, int]:
     return soft, hard
 
 
+def reserved_within(soft: int) -> int:
+    """The descriptors kept for the router's own files under a soft limit of `soft`."""
+    return min(RESERVED, soft // 4)
+
+
 def connections_within(max_connections: int, soft: int) -> int:
     """The most client connections that fit under `soft` descriptors beside the router's own."""
     if soft == resource.RLIM_INFINITY:
         return max_connections
-    reserved = min(RESERVED, soft // 4)
-    return max(1, min(max_connections, soft - reserved))
+    return max(1, min(max_connections, soft - reserved_within(soft)))

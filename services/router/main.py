@@ -13,7 +13,7 @@ from services.common.config import RouterSettings, ignored_env_twins, parse_comm
 from services.common.grpc_server import configure_internal_token
 from services.common.listening import listening_socket
 from services.common.logging_setup import configure_logging, get_logger
-from services.common.open_files import RESERVED, connections_within, raise_soft_limit
+from services.common.open_files import RESERVED, connections_within, raise_soft_limit, reserved_within
 from services.common.parent_death import die_with
 from services.router.app import create_app
 from services.router.connection_guard import ConnectionLimits, guarded_protocol
@@ -97,7 +97,7 @@ def main(argv=None) -> None:
     max_connections = connections_within(args.max_connections, soft)
     if max_connections < args.max_connections:
         log.warning(f"the open-files limit is {soft} (hard {hard}): below --max-connections {args.max_connections} "
-                    f"plus {min(RESERVED, soft // 4)} for the router's own files, so it serves at most "
+                    f"plus {reserved_within(soft)} for the router's own files, so it serves at most "
                     f"{max_connections} connections at once; raise the limit (ulimit -n; compose: ulimits: nofile; "
                     "the container runtime's default) to allow more",
                     open_files=soft, open_files_hard=hard, max_connections=max_connections)

@@ -20,7 +20,7 @@ from services.common.logging_setup import get_logger
 from services.common.metrics import observe_many
 from services.router import errors
 from services.router.errors import APIError
-from services.router.fanout import FanIn, PrefillShare, Single
+from services.router.fanout import IDLE, FanIn, PrefillShare, Single
 from services.router.http_errors import CLIENT_CLOSED, error_json
 from services.router.json_codec import dumps
 from services.router.leases import Lease
@@ -144,7 +144,7 @@ class RequestDriver:
         woken by its idle timer (FanIn.wake_idle) with nothing to hand."""
         while True:
             index, chunk = await self.fan.next()
-            if index < 0 or self._take(index, chunk):
+            if index == IDLE or self._take(index, chunk):
                 return index, chunk
 
     def next_nowait(self) -> tuple[int, object] | None:

@@ -263,9 +263,11 @@ ROUTER_FLAGS = [
          "seconds a Decode stream may stay silent (no tokens, no keep-alive) before the router treats its "
          "decode as stalled and fails over or migrates"),
     Flag("stream-keepalive-interval", float, 15.0,
-         "seconds a started stream may stay silent (a stalled decode, a migration, a retraction) before "
-         "the router writes an SSE comment (': keep-alive'), which clients skip, so that proxies and "
-         "load balancers in between keep the connection open; again every interval while it lasts (0: never)"),
+         "seconds a stream may stay silent (a long prefill or a wait for a pair before its first token, a "
+         "stalled decode, a migration, a retraction) before the router writes an SSE comment (': keep-alive'), "
+         "which clients skip, so that proxies and load balancers in between keep the connection open; again "
+         "every interval while it lasts; before the first token the status (200) goes out with the first "
+         "comment, and a later failure is an error event (0: never)"),
     Flag("internal-token-file", str, "",
          "file holding the shared secret presented on every call to the workers"),
     Flag("internal-token", str, "",

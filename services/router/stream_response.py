@@ -2,7 +2,14 @@
 before it is still an HTTP status, failed over by the orchestrator), then one event per token,
 coalesced into one write while chunks are already in hand; an error after the first byte is an
 error event and `[DONE]`; a stream silent for --stream-keepalive-interval gets a comment
-(stream_keepalive.py). A client that falls too far behind is cut off as a stalled reader."""
+(stream_keepalive.py). A client that falls too far behind is cut off as a stalled reader.
+
+The wait for the first chunks is bounded by the same interval: a long prompt's prefill (minutes
+at 512K tokens) or a wait for a free pair would otherwise leave the connection silent, without
+even a status, past a proxy's read timeout. When the interval passes first, the status (200) and
+headers go out with a keep-alive comment, and the stream goes on as one already begun: fail-over
+before the first token still happens unseen, and a failure the router cannot recover from is an
+error event, as vLLM reports every failure of a stream."""
 
 from __future__ import annotations
 
@@ -23,18 +30,28 @@ from services.router.stream_keepalive import KEEPALIVE, IdleTimer
 log = get_logger("router")
 
 
-async def _first_of_each(driver) -> list[tuple[int, object]]:
-    """Chunks until every choice has sent one: failures before that are still an HTTP status."""
+async def _first_of_each(driver, quiet: float) -> tuple[list[tuple[int, object]], bool]:
+    """Chunks until every choice has sent one (failures before that are still an HTTP status),
+    or until `quiet` seconds passed first (> 0): then (what came so far, True)."""
     got: list[tuple[int, object]] = []
-    while len({i for i, _ in got}) < len(driver.choices):
-        got.append(await driver.next())
-    return got
+    idle = IdleTimer(quiet, driver.fan.wake_idle) if quiet > 0 else None
+    try:
+        while len({i for i, _ in got}) < len(driver.choices):
+            index, chunk = await driver.next()
+            if index == IDLE:
+                return got, True
+            got.append((index, chunk))
+    finally:
+        if idle is not None:
+            idle.close()
+    return got, False
 
 
 async def stream_response(driver, request: Request) -> Response:
     """`driver`: the RequestDriver (services/router/request_driver.py) of an admitted request."""
+    quiet = driver.router.settings.stream_keepalive_interval
     try:
-        first = await run_until_disconnect(_first_of_each(driver), request.receive, request.scope)
+        first, early = await run_until_disconnect(_first_of_each(driver, quiet), request.receive, request.scope)
     except APIError as e:
         await driver.end(e.status, e.message)
         return error_json(e, driver.public_id)
@@ -59,7 +76,7 @@ async def stream_response(driver, request: Request) -> Response:
                 driver.finish(outcome["status"], outcome["error"])
 
     response = SSEResponse(
-        _events(driver, first, outcome),
+        _events(driver, first, outcome, lead=KEEPALIVE if early else b""),
         on_close,
         bind=lambda: bound_room(driver.request_id),
         headers={"X-Request-Id": driver.public_id},
@@ -75,11 +92,13 @@ async def stream_response(driver, request: Request) -> Response:
     return response
 
 
-async def _events(driver, first: list[tuple[int, object]], outcome: dict[str, Any]) -> AsyncIterator[bytes]:
+async def _events(driver, first: list[tuple[int, object]], outcome: dict[str, Any],
+                  lead: bytes = b"") -> AsyncIterator[bytes]:
     # Events of every chunk already in hand go out in one write: when decode (or its many
     # streams) gets ahead of the router, tokens are coalesced instead of costing a send each;
-    # a chunk that is not there yet is never waited for before writing what is.
-    buf: list[bytes] = []
+    # a chunk that is not there yet is never waited for before writing what is. `lead`: a
+    # keep-alive comment when the stream begins before its first token.
+    buf: list[bytes] = [lead] if lead else []
     interval = driver.spec.stream_interval
     batches = [IntervalBatch(interval) for _ in driver.states] if interval > 1 else None
     quiet = driver.router.settings.stream_keepalive_interval

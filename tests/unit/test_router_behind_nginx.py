@@ -1,7 +1,8 @@
 """The router behind a real nginx reverse proxy (Debian's nginx-light), as deployments put it:
 streams go through unbuffered, one that falls silent through a stalled decode and its migration
-survives nginx's read timeout thanks to the keep-alive comments (and is cut without them), and
-a browser's cross-origin preflight is answered through it."""
+survives nginx's read timeout thanks to the keep-alive comments (and is cut without them), so does
+one whose first token comes after that timeout (a 504 from nginx without them), and a browser's
+cross-origin preflight is answered through it."""
 
 from __future__ import annotations
 
@@ -130,6 +131,24 @@ def test_a_stall_and_migration_longer_than_nginx_read_timeout(make, nginx_in_fro
         else:
             # without the comments nginx closes the silent stream: the client never sees the end
             assert not ended and text_of(lines) == expected(c, 3), lines
+        wait_for(lambda c=c: c.router.active == 0, what="the request ended in the router")
+        c.all_rpcs_ended()
+
+
+def test_a_first_token_later_than_nginx_read_timeout(make, nginx_in_front):  # noqa: F811
+    # a long prefill (or a wait for a free pair): nothing to send for 2.5 s
+    for keepalive, survives in ((0.3, True), (0, False)):
+        c = make(stream_keepalive_interval=keepalive)
+        c.decodes[0].behaviour = Behaviour(delay=2.5)
+        url = nginx_in_front(c.url)
+        if survives:
+            lines, ended = stream_through(url, 4)
+            assert ended and text_of(lines) == expected(c, 4), lines
+            assert lines[0][1] == ": keep-alive" and sum(line == ": keep-alive" for _, line in lines) >= 5
+        else:  # the headers wait for the token, and nginx gives up first
+            r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "stream": True},
+                           timeout=10)
+            assert r.status_code == 504, r.text
         wait_for(lambda c=c: c.router.active == 0, what="the request ended in the router")
         c.all_rpcs_ended()
 

@@ -1,7 +1,8 @@
 """A started stream that stays silent gets SSE keep-alive comments (--stream-keepalive-interval),
 which clients skip: on the router's own server with scripted gRPC workers, through slow tokens, a
-stalled decode and the migration after it, and on the Responses API's stream; the openai SDK
-reads the same text as without them."""
+stalled decode and the migration after it, a first token slower than the interval (the stream
+then begins before it), and on the Responses API's stream; the openai SDK reads the same text as
+without them."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import asyncio
 import json
 import time
 
+import grpc
 import httpx
 import openai
 import pytest
+
+from services.common.refusal import Refusal
 
 from services.fakes.workers import Behaviour
 from services.router.stream_keepalive import KEEPALIVE, IdleTimer
@@ -65,6 +69,49 @@ def test_a_stalled_decode_and_the_migration_after_it_keep_the_connection_talking
     # no gap in what the client heard was longer than about one interval
     times = [t for t, line in arrivals if line]
     assert max(b - a for a, b in zip(times, times[1:], strict=False)) < 0.6, arrivals
+    c.all_rpcs_ended()
+
+
+def test_a_first_token_slower_than_the_interval_starts_the_stream_with_a_comment(make):  # noqa: F811
+    c = make(stream_keepalive_interval=0.1)
+    c.decodes[0].behaviour.delay = 0.6  # a long prefill, or a wait for the pair, before the first token
+    t0 = time.monotonic()
+    with httpx.Client(timeout=10) as client, client.stream(
+            "POST", c.url + "/v1/completions", json=completion(prompt=PROMPT, stream=True, max_tokens=4)) as s:
+        headers_after = time.monotonic() - t0
+        assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
+        body = "".join(s.iter_text())
+    assert headers_after < 0.45, headers_after  # the status did not wait for the token
+    assert body.startswith(COMMENT), body[:80]
+    data, comments = events_of(body)
+    assert comments >= 3, body
+    assert "".join(json.loads(d[6:])["choices"][0]["text"] for d in data[:-1]) == expected(c, 4)
+    client = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0, timeout=20)
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    whole = client.chat.completions.create(**ask).choices[0].message.content
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == whole and whole
+    c.all_rpcs_ended()
+
+
+def test_a_fast_failure_is_still_a_status_and_a_slow_one_an_error_event(make):  # noqa: F811
+    refuse = dict(mode="fail", code=grpc.StatusCode.INVALID_ARGUMENT, refusal=Refusal.KV_CAPACITY,
+                  details="this worker's pool is too small")
+    c = make(stream_keepalive_interval=0.3)
+    c.decodes[0].behaviour = Behaviour(**refuse)
+    r = post(c, "/v1/completions", completion(prompt=PROMPT, stream=True, max_tokens=4))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "kv_capacity_exceeded", r.text
+    c.decodes[0].behaviour = Behaviour(**refuse, delay=0.8)  # fails after the stream began
+    r = post(c, "/v1/completions", completion(prompt=PROMPT, stream=True, max_tokens=4))
+    assert r.status_code == 200 and r.text.startswith(COMMENT), r.text
+    data, _ = events_of(r.text)
+    assert data[-1] == "data: [DONE]" and json.loads(data[-2][6:])["error"]["code"] == "kv_capacity_exceeded", data
+    assert c.metric("pdmesh:router_requests_total", status="400") == 2
+    client = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0, timeout=20)
+    with pytest.raises(openai.APIError, match="more KV cache than any decode worker has"):
+        for _ in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, stream=True):
+            pass
     c.all_rpcs_ended()
 
 

@@ -7,6 +7,7 @@ connection bound would close the longest-idle connection to make room: a client 
 thousand idle connections would keep every other client out. So the router raises the soft limit
 towards the hard one at start (as vLLM and SGLang do), and where even the hard limit is too low
 it serves fewer connections than asked, with a warning, so that its bound still acts first.
+The workers raise theirs too (WORKER_OPEN_FILES), and warn where the hard limit holds it lower.
 """
 
 from __future__ import annotations
@@ -17,6 +18,13 @@ import resource
 # to the workers, the listening socket, the event loop's, logs, the tokenizer's files (an idle
 # router with one prefill and one decode holds about 25)
 RESERVED = 256
+
+# a worker's descriptors: a connection (or two) per router process and per peer worker, NIXL's
+# UCX endpoints and shared-memory segments per peer, the checkpoint's files; few in a small mesh,
+# but a container's soft 1,024 is within reach of a large one, so each worker raises its soft
+# limit to this at start (where the hard limit allows)
+WORKER_OPEN_FILES = 65536
+WORKER_OPEN_FILES_LOW = 4096  # a hard limit holding a worker under this is worth a warning
 
 
 def raise_soft_limit(wanted: int) -> tuple[int, int]:

@@ -36,6 +36,7 @@ from services.common.listening import port_taken
 from services.common.logging_setup import configure_logging, get_logger
 from services.common.metrics import Metrics
 from services.common.model_name import served_name
+from services.common.open_files import WORKER_OPEN_FILES, WORKER_OPEN_FILES_LOW, raise_soft_limit
 from services.common.periodic import run_every
 from services.common.process import default_worker_id, install_stop_signals
 from services.common.status_server import StatusServer
@@ -55,6 +56,11 @@ def start_worker_process(role: str, args: PrefillSettings | DecodeSettings) -> t
     configure_logging(args.log_level, args.log_format, service=role, worker=worker_id)
     for notice in ignored_env_twins():
         get_logger(role).warning(notice)
+    soft, hard = raise_soft_limit(WORKER_OPEN_FILES)
+    if 0 <= soft < WORKER_OPEN_FILES_LOW:  # RLIM_INFINITY is -1
+        get_logger(role).warning("open-files limit low for a large mesh; raise the hard limit (ulimit -Hn, "
+                                 "the container's nofile)", open_files=soft, open_files_hard=hard,
+                                 wanted=WORKER_OPEN_FILES)
     faults = Faults.parse(args.faults)
     if faults.active():
         get_logger(role).warning("FAULT INJECTION ACTIVE: this worker misbehaves on purpose", faults=faults.active())

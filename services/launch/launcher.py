@@ -118,13 +118,13 @@ class Launcher:
         return ["--model", self.spec.model] if self.spec.model else []
 
     def start_worker(self, role: str, *extra: str, host: str = "", env: dict | None = None, wait: bool = True,
-                     grpc_port: int = 0, http_port: int = 0) -> Proc:
+                     grpc_port: int = 0, http_port: int = 0, prefix: tuple[str, ...] = ()) -> Proc:
         grpc, http = self.placement.ports(role, host, grpc_port, http_port)
         # the spec's device unless the worker's own flags name one (the command line then says it once)
         device = [] if "--device" in extra else ["--device", self.spec.device]
         args = [*self.placement.service_args(role, host), "--grpc-port", str(grpc), "--http-port", str(http),
                 *device, *self._model_args(), *extra]
-        proc = self.spawn(role, args, http, grpc, env, host)
+        proc = self.spawn(role, args, http, grpc, env, host, prefix=prefix)
         if wait:
             self.wait_healthy(proc)
         return proc

@@ -5,7 +5,8 @@ open-files limit it was started with (real router process, fake workers, raw soc
   containers at a soft 1,024): the router raises its soft limit and serves --max-connections;
 - a hard limit that is too low as well: the router serves fewer connections, says so in its log,
   and idle connections past that number still make room for a new client instead of keeping
-  it out (accept() failing with EMFILE, as it did before the router sized itself).
+  it out (accept() failing with EMFILE, as it did before the router sized itself);
+- a real worker raises its soft limit too, and warns when the hard limit holds it low.
 """
 
 from __future__ import annotations
@@ -82,3 +83,10 @@ def test_a_low_hard_limit_shrinks_the_connection_bound_instead_of_locking_client
         # nothing held afterwards: no admission slot, no body being read (fake workers hold no KV)
         wait_for(lambda: scrape_metrics(router.http_url).get("pdmesh:router_num_running_reqs", 1) == 0, 10,
                  "the router to hold no admission slot")
+
+
+def test_a_worker_raises_its_soft_limit_and_warns_when_the_hard_one_is_low(tmp_path):
+    with Launcher(log_dir=tmp_path) as mesh:
+        prefill = mesh.start_prefill(prefix=("prlimit", "--nofile=256:2048"))
+        assert soft_limit(prefill.popen.pid) == 2048
+        assert "open-files limit low" in prefill.log() and "\"open_files_hard\": 2048" in prefill.log()

@@ -92,6 +92,11 @@ def test_a_first_token_slower_than_the_interval_starts_the_stream_with_a_comment
     assert chunks[0].choices[0].delta.role == "assistant"
     whole = client.chat.completions.create(**ask).choices[0].message.content
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == whole and whole
+    # the Responses API's stream, made from the chat one, begins with the comment as well
+    r = post(c, "/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 4, "stream": True})
+    assert r.status_code == 200 and r.text.startswith(COMMENT), r.text[:200]
+    kinds = [line[len("event: "):] for line in r.text.splitlines() if line.startswith("event: ")]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.incomplete", kinds
     c.all_rpcs_ended()
 
 

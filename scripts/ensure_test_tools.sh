@@ -5,6 +5,7 @@
 #   nftables        -> nft                    (tests/hosts: partitions between network namespaces)
 #   iproute2        -> ip, tc                 (tests/hosts: the namespaces, their links and rate caps)
 #   nginx-light     -> nginx                  (tests/unit/test_router_behind_nginx.py: a reverse proxy in front)
+#   openssl         -> openssl                (tests/integration/test_router_tls.py: certificates for HTTPS)
 # Quiet and idempotent; never fails the build. Without root or apt-get it only says what is
 # missing, and the tests that need it skip with a message naming the package.
 # Set PDMESH_SKIP_TOOL_INSTALL=1 to never touch apt.
@@ -17,6 +18,7 @@ command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
 command -v nft >/dev/null 2>&1 || missing+=(nftables)
 { command -v ip && command -v tc; } >/dev/null 2>&1 || missing+=(iproute2)
 command -v nginx >/dev/null 2>&1 || missing+=(nginx-light)
+command -v openssl >/dev/null 2>&1 || missing+=(openssl)
 [ ${#missing[@]} -eq 0 ] && exit 0
 
 say() { echo "ensure_test_tools: $*" >&2; }

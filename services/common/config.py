@@ -209,6 +209,15 @@ ROUTER_FLAGS = [
     Flag("allow-credentials", bool, False,
          "cross-origin requests may carry cookies and HTTP authentication (CORS); with --allowed-origins * "
          "the response names the request's origin instead of *"),
+    Flag("ssl-keyfile", str, "",
+         "the TLS private key (PEM); with --ssl-certfile the router serves HTTPS (TLS 1.2 or later) instead of "
+         "plain HTTP. A handshake not done within --header-timeout is dropped"),
+    Flag("ssl-certfile", str, "", "the TLS certificate chain (PEM) that goes with --ssl-keyfile"),
+    Flag("ssl-ca-certs", str, "",
+         "CA certificates (PEM) that client certificates are verified against (with --ssl-cert-reqs)"),
+    Flag("ssl-cert-reqs", int, 0,
+         "client certificates over TLS: 0 not asked for, 1 verified when given, 2 required "
+         "(Python's ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED); 1 and 2 need --ssl-ca-certs"),
     Flag("request-timeout", float, 600.0, "seconds after which a request fails with 504"),
     Flag("shutdown-timeout", float, 60.0,
          "seconds a stopping router (SIGTERM) keeps serving the requests it holds, streams included, while "

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import gc
+import ssl
 import sys
 from dataclasses import replace
 
@@ -19,6 +22,7 @@ from services.router.app import create_app
 from services.router.connection_guard import ConnectionLimits, guarded_protocol
 from services.router.discovery import split_host_port
 from services.router.processes import STOP_MARGIN, Supervisor, child_identity
+from services.router.tls import server_context
 
 
 def main(argv=None) -> None:
@@ -79,6 +83,11 @@ def main(argv=None) -> None:
     except ValueError as e:
         log.error(str(e))
         sys.exit(2)
+    try:
+        tls = server_context(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+    except ValueError as e:
+        log.error(str(e))
+        sys.exit(EXIT_CONFIG)
     if args.processes > 1 and child is None:
         sys.exit(Supervisor(argv, args.processes, args.host, args.port, log, args.process_stall_timeout,
                             args.process_start_timeout, stop_grace=args.shutdown_timeout + STOP_MARGIN).run())
@@ -105,19 +114,22 @@ def main(argv=None) -> None:
                               args.max_header_bytes)
     config = server_config(app, limits, host=args.host, port=args.port,
                            log_level="debug" if args.log_level == "debug" else "warning",
-                           keep_alive_timeout=args.keep_alive_timeout, shutdown_timeout=args.shutdown_timeout)
+                           keep_alive_timeout=args.keep_alive_timeout, shutdown_timeout=args.shutdown_timeout,
+                           tls=tls)
     # What exists by now (modules, the tokenizer, the app) lives as long as the process: frozen, it
     # is out of the cyclic garbage collector's sight, whose collections otherwise walk all of it
     # again and again under load (measured, non-streamed at c=32: their CPU fell from ~8% of the
     # router's to under 1%).
     gc.freeze()
-    DrainingServer(config, app.state.router).run(sockets=sockets)
+    DrainingServer(config, app.state.router, handshake_timeout=args.header_timeout).run(sockets=sockets)
 
 
 def server_config(app, limits: ConnectionLimits, *, host: str, port: int, log_level: str = "warning",
-                  keep_alive_timeout: float = 75.0, shutdown_timeout: float | None = None) -> uvicorn.Config:
+                  keep_alive_timeout: float = 75.0, shutdown_timeout: float | None = None,
+                  tls: ssl.SSLContext | None = None) -> uvicorn.Config:
     """uvicorn's configuration for the router's app: its HTTP protocol with the connection guards
-    (services/router/connection_guard.py), the router's own logging. Tests serve the app with it too."""
+    (services/router/connection_guard.py), the router's own logging, HTTPS with `tls`
+    (services/router/tls.py). Tests serve the app with it too."""
     router = app.state.router
     return uvicorn.Config(
         app,
@@ -132,16 +144,31 @@ def server_config(app, limits: ConnectionLimits, *, host: str, port: int, log_le
         proxy_headers=False,
         timeout_keep_alive=keep_alive_timeout,
         timeout_graceful_shutdown=shutdown_timeout,
+        ssl_context_factory=None if tls is None else (lambda _config, _default: tls),
     )
 
 
 class DrainingServer(uvicorn.Server):
     """uvicorn, told of the stop signal first: the router stops admitting as uvicorn stops
-    accepting, and uvicorn waits (--shutdown-timeout) for what the router holds."""
+    accepting, and uvicorn waits (--shutdown-timeout) for what the router holds. Over HTTPS each
+    handshake is bounded by `handshake_timeout`."""
 
-    def __init__(self, config: uvicorn.Config, router):
+    def __init__(self, config: uvicorn.Config, router, handshake_timeout: float = 60.0):
         super().__init__(config)
         self.router = router
+        self.handshake_timeout = handshake_timeout
+
+    async def startup(self, sockets=None) -> None:
+        if self.config.ssl is None:
+            return await super().startup(sockets=sockets)
+        # uvicorn takes a context but not a handshake timeout: its listening sockets are created
+        # with the loop's create_server, given ours for the length of its start
+        loop = asyncio.get_running_loop()
+        loop.create_server = functools.partial(loop.create_server, ssl_handshake_timeout=self.handshake_timeout)
+        try:
+            await super().startup(sockets=sockets)
+        finally:
+            del loop.create_server
 
     def handle_exit(self, sig, frame) -> None:
         self.router.begin_drain()

@@ -16,7 +16,6 @@ import openai
 import pytest
 
 from services.common.refusal import Refusal
-
 from services.fakes.workers import Behaviour
 from services.router.stream_keepalive import KEEPALIVE, IdleTimer
 from tests.unit.test_router_app import MODEL, chat, completion, post

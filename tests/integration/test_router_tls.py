@@ -1,0 +1,144 @@
+"""The router serving HTTPS itself (--ssl-keyfile, --ssl-certfile; vLLM's flags), as a real
+process in front of fake workers, with certificates made by the real openssl: the openai SDK
+streams and completes over it, with one process and with several; a connection that never
+finishes its handshake is dropped after --header-timeout; client certificates are required when
+asked; bad TLS settings end the router with one line naming the flag."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from services.common.bind_guard import EXIT_CONFIG
+from services.launch.launcher import Launcher
+from services.launch.ports import free_port
+from services.launch.probes import wait_for
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed (Debian package openssl)"),
+]
+
+MODEL = "pdmesh-tiny"
+
+
+def openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory) -> Path:
+    """A CA, a server certificate for 127.0.0.1 it signed, and a client certificate it signed."""
+    d = tmp_path_factory.mktemp("tls")
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+            "-subj", "/CN=pdmesh test CA", cwd=d)
+    (d / "server.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name, ext in (("server", ["-extfile", "server.ext"]), ("client", [])):
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                "-subj", f"/CN=pdmesh test {name}", cwd=d)
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                "-out", f"{name}.pem", "-days", "2", *ext, cwd=d)
+    return d
+
+
+def trusting(certs: Path) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=str(certs / "ca.pem"))
+
+
+def https_router(mesh: Launcher, certs: Path, *extra: str, port: int = 0, verify: ssl.SSLContext | None = None):
+    """The router over HTTPS, its URL and a client that trusts it (with `verify`: that client's
+    TLS context), once it answers."""
+    _, prefill, decode = mesh.start_fake_workers()
+    router = mesh.start_router([prefill], [decode], "--ssl-keyfile", str(certs / "server.key"),
+                               "--ssl-certfile", str(certs / "server.pem"), *extra, port=port, wait=False)
+    url = f"https://127.0.0.1:{router.http_port}"
+    client = httpx.Client(verify=verify or trusting(certs), timeout=10)
+
+    def healthy() -> bool:
+        assert router.popen.poll() is None, router.log()[-2000:]
+        try:
+            return client.get(url + "/health").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_for(healthy, 30, "the router to answer over HTTPS")
+    return router, url, client
+
+
+def completes_and_streams(url: str, client: httpx.Client) -> None:
+    sdk = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, http_client=client)
+    whole = sdk.completions.create(model=MODEL, prompt="hi", max_tokens=4).choices[0].text
+    streamed = "".join(e.choices[0].text for e in sdk.completions.create(model=MODEL, prompt="hi", max_tokens=4,
+                                                                          stream=True))
+    assert whole and streamed == whole
+
+
+def running(url: str, client: httpx.Client) -> float:
+    text = client.get(url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pdmesh:router_num_running_reqs"))
+
+
+def test_https_serves_the_api_and_drops_a_handshake_that_never_comes(tmp_path, certs):
+    with Launcher(log_dir=tmp_path) as mesh:
+        router, url, client = https_router(mesh, certs, "--header-timeout", "1")
+        completes_and_streams(url, client)
+        silent = socket.create_connection(("127.0.0.1", router.http_port), timeout=10)  # no ClientHello
+        t0 = time.monotonic()
+        assert silent.recv(1) == b"" and time.monotonic() - t0 < 5
+        silent.close()
+        with pytest.raises(httpx.TransportError):  # plain HTTP on the HTTPS port: closed, nothing served
+            httpx.get(f"http://127.0.0.1:{router.http_port}/health", timeout=5)
+        with pytest.raises(httpx.ConnectError):  # a client that does not trust the certificate
+            httpx.get(url + "/health", timeout=5)
+        completes_and_streams(url, client)  # none of that hurt the next client
+        assert running(url, client) == 0
+        assert "Traceback" not in router.log()
+
+
+def test_https_with_several_processes(tmp_path, certs):
+    with Launcher(log_dir=tmp_path) as mesh:
+        router, url, client = https_router(mesh, certs, "--processes", "2", port=free_port())
+        for _ in range(4):  # new connections, spread over the processes by the kernel
+            with httpx.Client(verify=trusting(certs), timeout=10) as fresh:
+                completes_and_streams(url, fresh)
+        assert running(url, client) == 0
+
+
+def test_client_certificates_when_required(tmp_path, certs):
+    known = trusting(certs)
+    known.load_cert_chain(str(certs / "client.pem"), str(certs / "client.key"))
+    with Launcher(log_dir=tmp_path) as mesh:
+        _, url, client = https_router(mesh, certs, "--ssl-ca-certs", str(certs / "ca.pem"), "--ssl-cert-reqs", "2",
+                                      verify=known)
+        completes_and_streams(url, client)
+        with pytest.raises(httpx.TransportError):  # no client certificate: the handshake fails
+            httpx.get(url + "/health", verify=trusting(certs), timeout=5).raise_for_status()
+        assert running(url, client) == 0
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--ssl-keyfile", "{d}/server.key"], "--ssl-keyfile and --ssl-certfile go together"),
+    (["--ssl-keyfile", "{d}/client.key", "--ssl-certfile", "{d}/server.pem"], "cannot load --ssl-certfile"),
+    (["--ssl-keyfile", "{d}/server.key", "--ssl-certfile", "{d}/missing.pem"], "missing.pem"),
+    (["--ssl-keyfile", "{d}/server.key", "--ssl-certfile", "{d}/server.pem", "--ssl-cert-reqs", "2"],
+     "needs --ssl-ca-certs"),
+    (["--ssl-cert-reqs", "1"], "need --ssl-keyfile and --ssl-certfile"),
+], ids=["key_alone", "key_not_of_cert", "missing_file", "reqs_without_ca", "reqs_without_tls"])
+def test_bad_tls_settings_end_the_router_with_one_line(certs, flags, says):
+    argv = [a.format(d=certs) for a in flags]
+    done = subprocess.run([sys.executable, "-m", "services.router", "--prefill", "127.0.0.1:1", "--decode",
+                           "127.0.0.1:2", "--port", str(free_port()), *argv], capture_output=True, text=True,
+                          timeout=60, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == EXIT_CONFIG, done.stderr[-2000:]
+    assert says in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]

@@ -8,6 +8,11 @@ One image runs all three roles, so the check finds out which one runs here and o
    (``--http-port`` for workers, ``--port`` for the router), else
 3. that flag's PDMESH_* environment twin, else the role's default port.
 
+A router serving HTTPS itself (``--ssl-certfile`` or its twin) is asked over HTTPS, without
+checking its certificate (this is the container asking its own process, under whatever name the
+certificate holds). One that requires client certificates (``--ssl-cert-reqs 2``) cannot be
+asked this way: give such a container a health check of its own.
+
 Standard library only (it runs every few seconds; it must not import torch).
 """
 
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import ssl
 import sys
 import urllib.error
 import urllib.request
@@ -45,8 +51,18 @@ def role_and_port(argv: list[str], env: dict[str, str]) -> tuple[str, int] | Non
     return role, int(port)
 
 
-def find_service(proc: pathlib.Path = pathlib.Path("/proc")) -> tuple[str, int] | None:
-    """The pdmesh service running in this container (lowest pid first)."""
+def serves_tls(argv: list[str], env: dict[str, str]) -> bool:
+    """Whether a router started with this argv and environment serves HTTPS (--ssl-certfile)."""
+    for i, arg in enumerate(argv):
+        if arg == "--ssl-certfile" and i + 1 < len(argv):
+            return bool(argv[i + 1])
+        if arg.startswith("--ssl-certfile="):
+            return bool(arg.split("=", 1)[1])
+    return bool(env.get("PDMESH_SSL_CERTFILE"))
+
+
+def find_service(proc: pathlib.Path = pathlib.Path("/proc")) -> tuple[str, int, str] | None:
+    """The pdmesh service running in this container (lowest pid first): (role, HTTP port, scheme)."""
     pids = sorted(int(p.name) for p in proc.iterdir() if p.name.isdigit())
     for pid in pids:
         try:
@@ -58,7 +74,8 @@ def find_service(proc: pathlib.Path = pathlib.Path("/proc")) -> tuple[str, int] 
         env = dict(e.decode(errors="replace").split("=", 1) for e in env_raw if b"=" in e)
         found = role_and_port(args, env)
         if found:
-            return found
+            role, port = found
+            return role, port, "https" if role == "router" and serves_tls(args, env) else "http"
     return None
 
 
@@ -69,13 +86,16 @@ def health_url() -> str:
     found = find_service()
     if found is None:
         raise RuntimeError("no `python -m services.<role>` process found in this container")
-    return f"http://127.0.0.1:{found[1]}/health"
+    role, port, scheme = found
+    return f"{scheme}://127.0.0.1:{port}/health"
 
 
 def main() -> int:
     try:
         url = health_url()
-        with urllib.request.urlopen(url, timeout=float(os.environ.get("PDMESH_HEALTH_TIMEOUT", "4"))) as resp:
+        tls = ssl._create_unverified_context() if url.startswith("https:") else None  # its own process
+        with urllib.request.urlopen(url, timeout=float(os.environ.get("PDMESH_HEALTH_TIMEOUT", "4")),
+                                    context=tls) as resp:
             body = resp.read(4096).decode(errors="replace")
             ok = resp.status == 200
     except urllib.error.HTTPError as e:

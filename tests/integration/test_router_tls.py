@@ -2,10 +2,12 @@
 process in front of fake workers, with certificates made by the real openssl: the openai SDK
 streams and completes over it, with one process and with several; a connection that never
 finishes its handshake is dropped after --header-timeout; client certificates are required when
-asked; bad TLS settings end the router with one line naming the flag."""
+asked; the containers' health check asks it over HTTPS; bad TLS settings end the router with
+one line naming the flag."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import ssl
@@ -30,6 +32,7 @@ pytestmark = [
 ]
 
 MODEL = "pdmesh-tiny"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def openssl(*args: str, cwd: Path) -> None:
@@ -102,6 +105,10 @@ def test_https_serves_the_api_and_drops_a_handshake_that_never_comes(tmp_path, c
         with pytest.raises(httpx.ConnectError):  # a client that does not trust the certificate
             httpx.get(url + "/health", timeout=5)
         completes_and_streams(url, client)  # none of that hurt the next client
+        # the containers' health check asks its own HTTPS router without checking the certificate
+        check = subprocess.run([sys.executable, str(ROOT / "deploy" / "healthcheck.py")], capture_output=True,
+                               text=True, timeout=30, env={**os.environ, "PDMESH_HEALTH_URL": url + "/health"})
+        assert check.returncode == 0, check.stderr
         assert running(url, client) == 0
         assert "Traceback" not in router.log()
 
@@ -139,6 +146,6 @@ def test_bad_tls_settings_end_the_router_with_one_line(certs, flags, says):
     argv = [a.format(d=certs) for a in flags]
     done = subprocess.run([sys.executable, "-m", "services.router", "--prefill", "127.0.0.1:1", "--decode",
                            "127.0.0.1:2", "--port", str(free_port()), *argv], capture_output=True, text=True,
-                          timeout=60, cwd=Path(__file__).resolve().parents[2])
+                          timeout=60, cwd=ROOT)
     assert done.returncode == EXIT_CONFIG, done.stderr[-2000:]
     assert says in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]

@@ -612,7 +612,16 @@ def test_healthcheck_finds_role_and_port_from_the_command_line(healthcheck, tmp_
         (tmp_path / str(pid) / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
         (tmp_path / str(pid) / "environ").write_bytes(env.encode() + b"\0")
     (tmp_path / "self").mkdir()
-    assert healthcheck.find_service(tmp_path) == ("prefill", 9100)
+    assert healthcheck.find_service(tmp_path) == ("prefill", 9100, "http")
+
+
+def test_healthcheck_asks_an_https_router_over_https(healthcheck):
+    tls = healthcheck.serves_tls
+    assert tls(["python", "-m", "services.router", "--ssl-certfile", "/c.pem"], {})
+    assert tls(["python", "-m", "services.router", "--ssl-certfile=/c.pem"], {})
+    assert tls(["python", "-m", "services.router"], {"PDMESH_SSL_CERTFILE": "/c.pem"})
+    assert not tls(["python", "-m", "services.router"], {"PDMESH_SSL_CERTFILE": ""})
+    assert not tls(["python", "-m", "services.router", "--port", "8000"], {})
 
 
 def _serve(status: int):

@@ -66,6 +66,11 @@ def _refuse_taken_ports() -> None:
                          + "\n  ".join(taken))
 
 
+def router_url() -> str:
+    """The router's address as clients reach it: HTTPS when PDMESH_SSL_CERTFILE gives it a certificate."""
+    return f"{'https' if os.environ.get('PDMESH_SSL_CERTFILE') else 'http'}://{HOST}:{ROUTER_PORT}"
+
+
 def example_curl() -> str:
     """A request that works against this mesh as configured: its model's served name (not always
     the built-in one), and the API key's header when PDMESH_API_KEY is set."""
@@ -74,7 +79,7 @@ def example_curl() -> str:
     # the first key where several are set (comma-separated), left to the shell so the secret is not printed
     auth = " -H \"Authorization: Bearer ${PDMESH_API_KEY%%,*}\"" if os.environ.get("PDMESH_API_KEY") else ""
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
-    return (f"curl http://{HOST}:{ROUTER_PORT}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+    return (f"curl {router_url()}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
             f"  -d {shlex.quote(body)}")
 
 
@@ -142,7 +147,7 @@ def main() -> None:
         except AssertionError as e:  # a service exited or stayed unhealthy: the launcher stopped the rest
             raise SystemExit(f"[mesh] {e}") from None
         print(
-            f"\n[mesh] ready: router http://{HOST}:{ROUTER_PORT}  prefill metrics http://{HOST}:{PREFILL_HTTP}/metrics  "
+            f"\n[mesh] ready: router {router_url()}  prefill metrics http://{HOST}:{PREFILL_HTTP}/metrics  "
             f"decode metrics http://{HOST}:{DECODE_HTTP}/metrics\n\n{example_curl()}\n\n[mesh] Ctrl-C stops everything.",
             flush=True,
         )

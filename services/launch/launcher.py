@@ -24,6 +24,7 @@ processes then too (terminate.py).
 
 from __future__ import annotations
 
+import os
 import pathlib
 from collections.abc import Callable
 
@@ -31,7 +32,7 @@ import httpx
 
 from services.launch.local import Local
 from services.launch.probes import QUEUE_GAUGES, grpc_serving, wait_for
-from services.launch.proc import Proc, service_command, spawn, stop_all
+from services.launch.proc import Proc, serves_https, service_command, spawn, stop_all
 from services.launch.spec import WORKER_ROLES, MeshSpec
 from services.launch.terminate import interrupt_on_sigterm
 
@@ -105,11 +106,11 @@ class Launcher:
         self._spawned += 1
         log_path = (self.log_dir / self.placement.log_name(role, host, self._spawned)) if self.log_dir else None
         cmd = [*prefix, *self.placement.command(host, service_command(role, args, module, python))]
-        popen = spawn(cmd, log_path, {**self.placement.env, **self.spec.env, **(env or {})}, self.spec.parent_death,
-                      cwd=cwd)
+        env_over = {**self.placement.env, **self.spec.env, **(env or {})}
+        popen = spawn(cmd, log_path, env_over, self.spec.parent_death, cwd=cwd)
         proc = Proc(role, popen, log_path, http_port, grpc_port, list(args), host, self.placement.addr(host),
                     dict(env or {}), self.placement.call, self.placement.keep_queue, module, cwd, tuple(prefix),
-                    python)
+                    python, tls=serves_https(role, args, {**os.environ, **env_over}))
         self.procs.append(proc)
         self.say(f"starting {proc.name}: python -m {module or 'services.' + role} {' '.join(args)}")
         return proc

@@ -68,10 +68,11 @@ def grpc_serving(addr: str, service: str = "", timeout: float = 2) -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def scrape_metrics(base_url: str, keep_queue: bool = True) -> dict[str, float]:
+def scrape_metrics(base_url: str, keep_queue: bool = True, verify: bool = True) -> dict[str, float]:
     """Samples of base_url/metrics by name, summed over labels (one worker per process); with
-    keep_queue, a sample labelled `queue` keeps it in its key: `name{queue=q}`."""
-    text = httpx.get(base_url + "/metrics", timeout=5).text
+    keep_queue, a sample labelled `queue` keeps it in its key: `name{queue=q}`. `verify`: False
+    for an HTTPS service the caller started itself."""
+    text = httpx.get(base_url + "/metrics", timeout=5, verify=verify).text
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:

@@ -37,6 +37,18 @@ def run_service(role: str, args: list[str], timeout: float = 60,
                           capture_output=True, text=True, timeout=timeout)
 
 
+def serves_https(role: str, args: list[str], env: dict[str, str]) -> bool:
+    """Whether a service started with these flags and this environment serves HTTPS: a router
+    given a certificate (--ssl-certfile, or its PDMESH_SSL_CERTFILE twin when the flag is absent)."""
+    if role != "router":
+        return False
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name == "--ssl-certfile":
+            return bool(value if eq else (args[i + 1] if i + 1 < len(args) else ""))
+    return bool(env.get("PDMESH_SSL_CERTFILE"))
+
+
 def spawn(cmd: list[str], log_path: pathlib.Path | None, env: dict[str, str] | None = None,
           parent_death: bool = False, cwd: pathlib.Path | None = None,
           unset: tuple[str, ...] = ()) -> subprocess.Popen:
@@ -76,6 +88,9 @@ class Proc:
     cwd: pathlib.Path | None = None
     prefix: tuple[str, ...] = ()
     python: str = ""
+    # a router serving HTTPS itself (--ssl-certfile): probed over HTTPS, its certificate not
+    # checked (the launcher asks the process it started, whatever name the certificate holds)
+    tls: bool = False
 
     @property
     def grpc_addr(self) -> str:
@@ -83,7 +98,7 @@ class Proc:
 
     @property
     def http_url(self) -> str:
-        return f"http://{self.addr}:{self.http_port}"
+        return f"{'https' if self.tls else 'http'}://{self.addr}:{self.http_port}"
 
     @property
     def name(self) -> str:
@@ -98,13 +113,14 @@ class Proc:
         return self.log_path.read_text(errors="replace")
 
     def get(self, path: str, timeout: float = 5) -> httpx.Response:
-        return self.call(httpx.get, self.http_url + path, timeout=timeout)
+        return self.call(httpx.get, self.http_url + path, timeout=timeout, verify=not self.tls)
 
     def post(self, path: str, json: dict, timeout: float = 60, headers: dict | None = None) -> httpx.Response:
-        return self.call(httpx.post, self.http_url + path, json=json, timeout=timeout, headers=headers)
+        return self.call(httpx.post, self.http_url + path, json=json, timeout=timeout, headers=headers,
+                         verify=not self.tls)
 
     def metrics(self) -> dict[str, float]:
-        return self.call(scrape_metrics, self.http_url, self.keep_queue)
+        return self.call(scrape_metrics, self.http_url, self.keep_queue, verify=not self.tls)
 
     def health(self) -> dict:
         return self.get("/health").json()

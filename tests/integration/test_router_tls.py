@@ -122,6 +122,17 @@ def test_https_with_several_processes(tmp_path, certs):
         assert running(url, client) == 0
 
 
+def test_the_launcher_waits_for_a_router_made_https_by_its_environment(tmp_path, certs):
+    # what `make run` does with PDMESH_SSL_* in deploy/pdmesh.env: the flags' twins, no flags
+    with Launcher(log_dir=tmp_path) as mesh:
+        _, prefill, decode = mesh.start_fake_workers()
+        router = mesh.start_router([prefill], [decode], env={"PDMESH_SSL_KEYFILE": str(certs / "server.key"),
+                                                             "PDMESH_SSL_CERTFILE": str(certs / "server.pem")})
+        assert router.http_url.startswith("https://")  # waited for over HTTPS
+        completes_and_streams(router.http_url, httpx.Client(verify=trusting(certs), timeout=10))
+        assert router.metrics()["pdmesh:router_num_running_reqs"] == 0
+
+
 def test_client_certificates_when_required(tmp_path, certs):
     known = trusting(certs)
     known.load_cert_chain(str(certs / "client.pem"), str(certs / "client.key"))

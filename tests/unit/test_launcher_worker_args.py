@@ -12,12 +12,13 @@ from services import mesh
 from services.common.listening import listening_socket
 from services.launch.launcher import Launcher
 from services.launch.ports import free_port
+from services.launch.proc import serves_https
 from services.launch.spec import MeshSpec
 
 
 def worker_args(launcher: Launcher, *flags: str) -> list[str]:
     seen = []
-    launcher.spawn = lambda role, args, *rest: seen.append(args)  # no process: only its command line
+    launcher.spawn = lambda role, args, *rest, **kw: seen.append(args)  # no process: only its command line
     launcher.start_worker("prefill", *flags, wait=False, grpc_port=50000, http_port=50001)
     return seen[0]
 
@@ -92,3 +93,19 @@ def test_make_run_s_printed_curl_names_the_served_model_and_the_key_when_set(mon
         out = subprocess.run(["sh", "-c", 'printf %s "${PDMESH_API_KEY%%,*}"'], env={"PDMESH_API_KEY": keys},
                              capture_output=True, text=True, check=True)
         assert out.stdout == first
+
+
+def test_make_run_s_mesh_names_https_when_the_router_has_a_certificate(monkeypatch):
+    monkeypatch.delenv("PDMESH_SSL_CERTFILE", raising=False)
+    assert mesh.router_url().startswith("http://") and "curl http://" in mesh.example_curl()
+    monkeypatch.setenv("PDMESH_SSL_CERTFILE", "/certs/router.pem")
+    assert mesh.router_url().startswith("https://") and "curl https://" in mesh.example_curl()
+
+
+def test_the_launcher_probes_a_router_over_https_only_when_it_has_a_certificate():
+    assert serves_https("router", ["--ssl-certfile", "/c.pem"], {})
+    assert serves_https("router", ["--ssl-certfile=/c.pem"], {})
+    assert serves_https("router", [], {"PDMESH_SSL_CERTFILE": "/c.pem"})
+    assert not serves_https("router", ["--ssl-certfile", ""], {"PDMESH_SSL_CERTFILE": "/c.pem"})  # the flag wins
+    assert not serves_https("router", ["--port", "8000"], {})
+    assert not serves_https("prefill", [], {"PDMESH_SSL_CERTFILE": "/c.pem"})  # a worker's twin is not its own

@@ -1,12 +1,13 @@
 """The router serving HTTPS itself (--ssl-keyfile, --ssl-certfile; vLLM's flags), as a real
 process in front of fake workers, with certificates made by the real openssl: the openai SDK
 streams and completes over it, with one process and with several; a connection that never
-finishes its handshake is dropped after --header-timeout; client certificates are required when
+finishes its handshake is dropped after --header-timeout; a reader that stalls is cut off; client certificates are required when
 asked; the containers' health check asks it over HTTPS; bad TLS settings end the router with
 one line naming the flag."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -111,6 +112,29 @@ def test_https_serves_the_api_and_drops_a_handshake_that_never_comes(tmp_path, c
         assert check.returncode == 0, check.stderr
         assert running(url, client) == 0
         assert "Traceback" not in router.log()
+
+
+def test_a_stalled_reader_over_https_is_cut_off(tmp_path, certs):
+    # the front door's bounds act on the TLS transport as on a plain one
+    with Launcher(log_dir=tmp_path) as mesh:
+        router, url, client = https_router(mesh, certs, "--max-buffered-tokens", "8")
+        raw = socket.socket()
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: it sets the window
+        raw.settimeout(10)
+        raw.connect(("127.0.0.1", router.http_port))
+        s = trusting(certs).wrap_socket(raw, server_hostname="127.0.0.1")
+        try:
+            body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 8000, "ignore_eos": True, "n": 4,
+                               "stream": True}).encode()
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            assert s.recv(64).startswith(b"HTTP/1.1 200 ")  # then nothing more is read
+            wait_for(lambda: router.metrics().get("pdmesh:router_client_cutoffs_total", 0) >= 1, 30,
+                     "the router to cut the stalled reader off")
+            wait_for(lambda: running(url, client) == 0, 10, "its slots to be freed")
+        finally:
+            s.close()
+        completes_and_streams(url, client)
 
 
 def test_https_with_several_processes(tmp_path, certs):

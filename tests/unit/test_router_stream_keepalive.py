@@ -99,6 +99,19 @@ def test_a_first_token_slower_than_the_interval_starts_the_stream_with_a_comment
     c.all_rpcs_ended()
 
 
+def test_a_client_that_leaves_before_the_first_token_ends_its_request(make):  # noqa: F811
+    c = make(stream_keepalive_interval=0.1)
+    c.decodes[0].behaviour.delay = 30  # the first token would take 30 s
+    with httpx.Client(timeout=10) as client, client.stream(
+            "POST", c.url + "/v1/completions", json=completion(prompt=PROMPT, stream=True, max_tokens=4)) as s:
+        assert s.status_code == 200
+        assert next(s.iter_lines()) == COMMENT.rstrip("\n")  # the stream began; the client leaves
+    t0 = time.monotonic()
+    c.all_rpcs_ended()  # the Decode RPC cancelled, the slot and the pair's leases released
+    assert time.monotonic() - t0 < 3 and c.decodes[0].seen.cancelled == 1
+    assert c.metric("pdmesh:router_requests_total", status="499") == 1
+
+
 def test_a_fast_failure_is_still_a_status_and_a_slow_one_an_error_event(make):  # noqa: F811
     refuse = dict(mode="fail", code=grpc.StatusCode.INVALID_ARGUMENT, refusal=Refusal.KV_CAPACITY,
                   details="this worker's pool is too small")

@@ -25,6 +25,7 @@ from services.common.bind_guard import EXIT_CONFIG
 from services.launch.launcher import Launcher
 from services.launch.ports import free_port
 from services.launch.probes import wait_for
+from services.launch.proc import run_service
 
 pytestmark = [
     pytest.mark.integration,
@@ -179,8 +180,7 @@ def test_client_certificates_when_required(tmp_path, certs):
 ], ids=["key_alone", "key_not_of_cert", "missing_file", "reqs_without_ca", "reqs_without_tls"])
 def test_bad_tls_settings_end_the_router_with_one_line(certs, flags, says):
     argv = [a.format(d=certs) for a in flags]
-    done = subprocess.run([sys.executable, "-m", "services.router", "--prefill", "127.0.0.1:1", "--decode",
-                           "127.0.0.1:2", "--port", str(free_port()), *argv], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)
+    done = run_service("router", ["--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2", "--port", str(free_port()),
+                                  *argv])
     assert done.returncode == EXIT_CONFIG, done.stderr[-2000:]
     assert says in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]

@@ -2,7 +2,7 @@
 process in front of fake workers, with certificates made by the real openssl: the openai SDK
 streams and completes over it, with one process and with several; a connection that never
 finishes its handshake is dropped after --header-timeout; a reader that stalls is cut off; client certificates are required when
-asked; the containers' health check asks it over HTTPS; bad TLS settings end the router with
+asked; the containers' health check and a real Prometheus ask it over HTTPS; bad TLS settings end the router with
 one line naming the flag."""
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from services.launch.launcher import Launcher
 from services.launch.ports import free_port
 from services.launch.probes import wait_for
 from services.launch.proc import run_service
+from tests.integration.test_deploy_prometheus_live import Prometheus, config_for
+from tests.unit.test_deploy_compose import need_tool
 
 pytestmark = [
     pytest.mark.integration,
@@ -136,6 +138,23 @@ def test_a_stalled_reader_over_https_is_cut_off(tmp_path, certs):
         finally:
             s.close()
         completes_and_streams(url, client)
+
+
+def test_prometheus_scrapes_a_router_over_https(tmp_path, certs):
+    need_tool("prometheus", "prometheus")
+    with Launcher(log_dir=tmp_path) as mesh:
+        router, url, client = https_router(mesh, certs)
+        completes_and_streams(url, client)
+        cfg = config_for({"pdmesh-router": f"127.0.0.1:{router.http_port}"})
+        cfg["scrape_configs"][0].update(scheme="https", tls_config={"ca_file": str(certs / "ca.pem")})
+        prom = Prometheus(tmp_path, cfg)
+        try:
+            prom.wait_ready()
+            wait_for(lambda: prom.query('up{job="pdmesh-router"} == 1')
+                     and prom.query('pdmesh:router_requests_total{status="200"} >= 2'), 30,
+                     "Prometheus to scrape the router's /metrics over HTTPS")
+        finally:
+            prom.close()
 
 
 def test_https_with_several_processes(tmp_path, certs):

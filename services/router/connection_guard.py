@@ -131,6 +131,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     # --- connections ----------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        # over TLS, the handshake that made this connection held its place until now (tls.py)
+        handshake = self.__dict__.pop("handshake", None)
+        if handshake is not None:
+            self.connections.discard(handshake)
         room = self._make_room()
         super().connection_made(transport)
         if not room:
@@ -172,22 +176,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if watch is not None:  # not unwatched meanwhile
             watch[1]()
 
-    def _live(self) -> list[GuardedHttpToolsProtocol]:
-        return [p for p in self.connections
-                if isinstance(p, GuardedHttpToolsProtocol) and not p._aborted and not p.transport.is_closing()]
-
     def _make_room(self) -> bool:
-        """Whether this new connection may stay: under the limit, or after the longest-idle one went."""
-        if len(self.connections) < self.limits.max_connections:
-            return True
-        live = self._live()
-        if len(live) < self.limits.max_connections:
-            return True
-        idle = [p for p in live if p._idle_since is not None]
-        if not idle:
-            return False
-        min(idle, key=lambda p: p._idle_since)._cut("connection_limit")
-        return True
+        return make_room(self.connections, self.limits.max_connections)
 
     def abort(self) -> None:
         """Cut the connection now, whatever its buffers hold (the request sees a disconnect)."""
@@ -442,6 +432,24 @@ def watch_disconnect(scope: dict, callback: Callable[[], None]) -> Callable[[], 
     if not isinstance(connection, GuardedHttpToolsProtocol) or cycle is None:
         return None
     return connection.watch_disconnect(cycle, callback)
+
+
+def make_room(connections: set, max_connections: int) -> bool:
+    """Whether a new connection may stay: under the limit, or after the longest-idle one went.
+    `connections`: uvicorn's, holding the guarded protocols and, over TLS, the handshakes still
+    going on (services/router/tls.py): each with `_idle_since` (None while a request is in
+    progress), `_aborted`, `transport` (None for a handshake) and `_cut(reason)`."""
+    if len(connections) < max_connections:
+        return True
+    live = [p for p in connections if hasattr(p, "_idle_since") and not p._aborted
+            and not (p.transport is not None and p.transport.is_closing())]
+    if len(live) < max_connections:
+        return True
+    idle = [p for p in live if p._idle_since is not None]
+    if not idle:
+        return False
+    min(idle, key=lambda p: p._idle_since)._cut("connection_limit")
+    return True
 
 
 def guarded_protocol(limits: ConnectionLimits, on_cutoff: Callable[[str], None]) -> type[HttpToolsProtocol]:

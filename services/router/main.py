@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import gc
 import ssl
 import sys
@@ -22,7 +21,7 @@ from services.router.app import create_app
 from services.router.connection_guard import ConnectionLimits, guarded_protocol
 from services.router.discovery import split_host_port
 from services.router.processes import STOP_MARGIN, Supervisor, child_identity
-from services.router.tls import server_context
+from services.router.tls import server_context, tls_server
 
 
 def main(argv=None) -> None:
@@ -161,10 +160,11 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         if self.config.ssl is None:
             return await super().startup(sockets=sockets)
-        # uvicorn takes a context but not a handshake timeout: its listening sockets are created
-        # with the loop's create_server, given ours for the length of its start
+        # uvicorn hands its context to the loop's TLS server, which would keep handshakes out of
+        # the connection guard's sight: its listening sockets are served by a TLSServer instead
+        # (services/router/tls.py), given in place of the loop's create_server while it starts
         loop = asyncio.get_running_loop()
-        loop.create_server = functools.partial(loop.create_server, ssl_handshake_timeout=self.handshake_timeout)
+        loop.create_server = tls_server(self.config.ssl, self.handshake_timeout)
         try:
             await super().startup(sockets=sockets)
         finally:

@@ -6,16 +6,34 @@ certificate or a bad combination of flags ends the router with one line naming i
 traceback when the first client connects. TLS 1.2 is the least it speaks (what browsers, the
 openai SDK's httpx and curl all offer), ALPN says HTTP/1.1 (the router speaks nothing else).
 
-The handshake happens before the router's connection guard sees the connection (asyncio calls
-the protocol's `connection_made` once it is done), so it is bounded on its own: a handshake not
-finished within --header-timeout is dropped (asyncio's default would wait 60 s). Until then the
-connection is not counted in --max-connections, so a router open to the internet is still
-better served behind a proxy that terminates TLS (docs/deploy.md).
+A connection is counted in --max-connections from the moment it is accepted, its handshake
+included, as a plain one is. The loop's own TLS server (`create_server(ssl=...)`, what uvicorn
+asks for) would keep each handshake out of the connection guard's sight until it is done (the
+protocol's `connection_made` comes only then), and one client opening connections without ever
+finishing a handshake could hold every descriptor the router has. So the router's `TLSServer`
+accepts plain sockets itself and counts each as a `Handshake` among the router's connections
+(`connection_guard.make_room`: idle, so at the limit the longest-waiting one makes room) while
+the loop runs its handshake (`connect_accepted_socket`), bounded by --header-timeout (asyncio's
+default waits 60 s); the HTTP protocol takes its place when the handshake is done.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import socket
 import ssl
+import time
+from collections.abc import Callable
+
+from services.common.listening import listening_socket
+from services.router.connection_guard import make_room
+
+ACCEPT_RETRY = 0.1  # seconds before accepting again after accept() failed (out of descriptors, say)
+# seconds a closing connection waits for the client's close_notify before it is cut: an idle
+# keep-alive client reads nothing, and the loop's default (30 s) would hold a stopping router
+# that long for each such connection
+SHUTDOWN_WAIT = 2.0
 
 CERT_REQS = {0: ssl.CERT_NONE, 1: ssl.CERT_OPTIONAL, 2: ssl.CERT_REQUIRED}
 
@@ -47,3 +65,104 @@ def server_context(keyfile: str, certfile: str, ca_certs: str = "", cert_reqs: i
     ctx.verify_mode = CERT_REQS[cert_reqs]
     ctx.set_alpn_protocols(["http/1.1"])
     return ctx
+
+
+class Handshake:
+    """An accepted connection whose TLS handshake is under way, in the router's connections."""
+
+    transport = None  # the loop's TLS transport comes with the handshake's end, to the HTTP protocol
+
+    def __init__(self, connections: set, on_cutoff: Callable[[str], None], conn: socket.socket):
+        self.connections, self.on_cutoff, self.conn = connections, on_cutoff, conn
+        self._idle_since = time.monotonic()  # no request yet: idle, the first to make room at the limit
+        self._aborted = False
+        self.started = False  # the loop owns the socket from here (it closes it)
+        self.task: asyncio.Task | None = None
+
+    def _cut(self, reason: str) -> None:
+        if not self._aborted:
+            self.on_cutoff(reason)
+        self.abort()
+
+    def abort(self) -> None:
+        if self._aborted:
+            return
+        self._aborted = True
+        self.connections.discard(self)
+        if not self.started:
+            self.conn.close()
+        if self.task is not None:
+            self.task.cancel()
+
+    def shutdown(self) -> None:
+        """The server is stopping (uvicorn tells every connection): a handshake is dropped."""
+        self.abort()
+
+
+class TLSServer:
+    """What the loop's create_server gives uvicorn, serving TLS with every handshake counted
+    (the module's docstring): `sockets`, `close()`, `wait_closed()` and `is_serving()` as an
+    asyncio Server's."""
+
+    def __init__(self, protocol_factory: Callable, sock: socket.socket, context: ssl.SSLContext,
+                 handshake_timeout: float, backlog: int):
+        self.protocol_factory, self.context, self.handshake_timeout = protocol_factory, context, handshake_timeout
+        sock.listen(backlog)
+        sock.setblocking(False)
+        self.sockets = [sock]
+        self._loop = asyncio.get_running_loop()
+        self._accepting = self._loop.create_task(self._accept(sock))
+
+    async def _accept(self, sock: socket.socket) -> None:
+        while True:
+            try:
+                conn, _ = await self._loop.sock_accept(sock)
+            except OSError:  # out of descriptors, say: the connection bound keeps it rare
+                await asyncio.sleep(ACCEPT_RETRY)
+                continue
+            self._begin(conn)
+
+    def _begin(self, conn: socket.socket) -> None:
+        http = self.protocol_factory()  # the guarded HTTP protocol (connection_guard.py), not yet connected
+        entry = Handshake(http.connections, http.on_cutoff, conn)
+        if not make_room(http.connections, http.limits.max_connections):
+            http.on_cutoff("connection_limit")
+            conn.close()
+            return
+        http.connections.add(entry)
+        http.handshake = entry  # its connection_made takes the entry's place
+        entry.task = self._loop.create_task(self._handshake(http, entry))
+
+    async def _handshake(self, http, entry: Handshake) -> None:
+        entry.started = True
+        try:
+            await self._loop.connect_accepted_socket(lambda: http, entry.conn, ssl=self.context,
+                                                     ssl_handshake_timeout=self.handshake_timeout,
+                                                     ssl_shutdown_timeout=SHUTDOWN_WAIT)
+        except (Exception, asyncio.CancelledError):  # noqa: BLE001 - the loop closed the connection
+            pass  # a failed or late handshake, the client gone, cut at the limit, the server stopping
+        finally:
+            entry.connections.discard(entry)
+
+    def close(self) -> None:
+        self._accepting.cancel()
+
+    async def wait_closed(self) -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._accepting
+
+    def is_serving(self) -> bool:
+        return not self._accepting.done()
+
+
+def tls_server(context: ssl.SSLContext, handshake_timeout: float) -> Callable:
+    """A stand-in for the loop's create_server, as uvicorn calls it (its protocol factory, with
+    `sock=` or `host=`/`port=`, `ssl=` and `backlog=`), that serves TLS through a TLSServer."""
+
+    async def create_server(protocol_factory: Callable, host: str | None = None, port: int | None = None, *,
+                            sock: socket.socket | None = None, ssl=None, backlog: int = 100, **_) -> TLSServer:  # noqa: ARG001
+        if sock is None:
+            sock = listening_socket(host or "", port or 0, reuse_port=False)
+        return TLSServer(protocol_factory, sock, context, handshake_timeout, backlog)
+
+    return create_server

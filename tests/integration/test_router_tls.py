@@ -1,7 +1,8 @@
 """The router serving HTTPS itself (--ssl-keyfile, --ssl-certfile; vLLM's flags), as a real
 process in front of fake workers, with certificates made by the real openssl: the openai SDK
 streams and completes over it, with one process and with several; a connection that never
-finishes its handshake is dropped after --header-timeout; a reader that stalls is cut off; client certificates are required when
+finishes its handshake is dropped after --header-timeout, and 300 of them against a router with
+192 descriptors' worth of connections leave room for new clients; a reader that stalls is cut off; client certificates are required when
 asked; the containers' health check and a real Prometheus ask it over HTTPS; bad TLS settings end the router with
 one line naming the flag."""
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
@@ -62,12 +64,14 @@ def trusting(certs: Path) -> ssl.SSLContext:
     return ssl.create_default_context(cafile=str(certs / "ca.pem"))
 
 
-def https_router(mesh: Launcher, certs: Path, *extra: str, port: int = 0, verify: ssl.SSLContext | None = None):
+def https_router(mesh: Launcher, certs: Path, *extra: str, port: int = 0, verify: ssl.SSLContext | None = None,
+                 prefix: tuple[str, ...] = ()):
     """The router over HTTPS, its URL and a client that trusts it (with `verify`: that client's
     TLS context), once it answers."""
     _, prefill, decode = mesh.start_fake_workers()
     router = mesh.start_router([prefill], [decode], "--ssl-keyfile", str(certs / "server.key"),
-                               "--ssl-certfile", str(certs / "server.pem"), *extra, port=port, wait=False)
+                               "--ssl-certfile", str(certs / "server.pem"), *extra, port=port, wait=False,
+                               prefix=prefix)
     url = f"https://127.0.0.1:{router.http_port}"
     client = httpx.Client(verify=verify or trusting(certs), timeout=10)
 
@@ -115,6 +119,43 @@ def test_https_serves_the_api_and_drops_a_handshake_that_never_comes(tmp_path, c
         assert check.returncode == 0, check.stderr
         assert running(url, client) == 0
         assert "Traceback" not in router.log()
+
+
+def test_handshakes_never_finished_do_not_keep_clients_out(tmp_path, certs):
+    # 300 connections that never send a ClientHello, more than the router's descriptors (a hard
+    # open-files limit of 256 leaves it 192 connections): each handshake counts as a connection,
+    # so the longest-waiting ones make room for new clients instead of exhausting the descriptors
+    with Launcher(log_dir=tmp_path) as mesh:
+        router, url, client = https_router(mesh, certs, "--header-timeout", "60", prefix=("prlimit", "--nofile=256:256"))
+        silent = [socket.create_connection(("127.0.0.1", router.http_port), timeout=10) for _ in range(300)]
+        try:
+            t0 = time.monotonic()
+            for _ in range(3):
+                with httpx.Client(verify=trusting(certs), timeout=10) as fresh:
+                    completes_and_streams(url, fresh)
+            assert time.monotonic() - t0 < 10
+            assert router.metrics().get("pdmesh:router_client_cutoffs_total", 0) >= 100
+        finally:
+            for s in silent:
+                s.close()
+        assert running(url, client) == 0
+
+
+def test_a_stopping_https_router_is_not_held_by_idle_clients(tmp_path, certs):
+    # an idle keep-alive client reads nothing, so it never answers the router's close_notify, and a
+    # handshake never finished never ends by itself: neither holds the stop for long
+    with Launcher(log_dir=tmp_path) as mesh:
+        router, url, client = https_router(mesh, certs, "--header-timeout", "60")
+        completes_and_streams(url, client)
+        assert client.get(url + "/health").status_code == 200  # its connection stays open, idle
+        silent = socket.create_connection(("127.0.0.1", router.http_port), timeout=10)
+        try:
+            t0 = time.monotonic()
+            router.popen.send_signal(signal.SIGTERM)
+            router.popen.wait(timeout=20)
+            assert time.monotonic() - t0 < 8, time.monotonic() - t0
+        finally:
+            silent.close()
 
 
 def test_a_stalled_reader_over_https_is_cut_off(tmp_path, certs):

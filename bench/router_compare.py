@@ -38,11 +38,15 @@ sglang-router's threads take all K as well) and wrk and the workers the rest. Mo
 help when the router has the cores for them: on this 2-core machine that needs `--no-pin` (the
 router, wrk and the workers then share both cores).
 
+HTTPS: `--tls` also measures pdmesh's router serving HTTPS itself (side `pdmesh_tls`: a
+self-signed certificate made with the openssl command for the run; wrk keeps its connections,
+so what it shows is the per-request cost of TLS, not the handshakes').
+
 The lane's carrier: `--grpc-lane` also measures pdmesh's router with `--worker-lane-client grpc`
 (side `pdmesh_grpc_lane`: the lane on a grpc.aio stream instead of the router's own HTTP/2).
 
 Usage: python bench/router_compare.py [--seconds 5] [--rounds 2] [--stream-tokens 64] [--no-pin]
-       [--only pdmesh|sglang] [--floor] [--baseline DIR] [--grpc-lane] [--processes 1,2]
+       [--only pdmesh|sglang] [--floor] [--baseline DIR] [--grpc-lane] [--tls] [--processes 1,2]
        [--router-cores K] [--sglang-cores K]
 """
 
@@ -55,6 +59,7 @@ import pathlib
 import re
 import shutil
 import signal
+import ssl
 import statistics
 import subprocess
 import sys
@@ -119,13 +124,30 @@ def ensure_wrk() -> str:
     return wrk
 
 
+# the bench's own routers over HTTPS (--tls), with a certificate made for the run: not checked
+LOCAL_TLS = ssl._create_unverified_context()
+
+
+def tls_context_for(url: str) -> ssl.SSLContext | None:
+    return LOCAL_TLS if url.startswith("https:") else None
+
+
+def self_signed(folder: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+    """A key and a self-signed certificate for 127.0.0.1 (the openssl command), for --tls."""
+    key, cert = folder / "bench.key", folder / "bench.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    return key, cert
+
+
 def wait_http(url: str, seconds: float, what: str, post: bytes | None = None) -> None:
     until = time.monotonic() + seconds
     last: Exception | None = None
     while time.monotonic() < until:
         try:
             req = urllib.request.Request(url, data=post, headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=2) as r:
+            with urllib.request.urlopen(req, timeout=2, context=tls_context_for(url)) as r:
                 if r.status == 200:
                     return
         except Exception as e:  # noqa: BLE001 - retried until the deadline
@@ -203,7 +225,7 @@ def run_wrk(wrk: str, url: str, script: pathlib.Path, conns: int, seconds: float
 def stream_tokens(url: str, n: int) -> int:
     """SSE events with text in one streamed response (a check that each side sends one per token)."""
     req = urllib.request.Request(url, data=body(n, True).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=10) as r:
+    with urllib.request.urlopen(req, timeout=10, context=tls_context_for(url)) as r:
         events = [json.loads(ln[6:]) for ln in r.read().decode().split("\n") if ln.startswith("data: {")]
     return sum(1 for e in events if e["choices"] and e["choices"][0].get("text"))
 
@@ -268,6 +290,8 @@ def main() -> int:
     ap.add_argument("--grpc-lane", action="store_true",
                     help="also measure pdmesh's router with --worker-lane-client grpc (the lane on a grpc.aio "
                          "stream instead of the router's own HTTP/2), as the side 'pdmesh_grpc_lane'")
+    ap.add_argument("--tls", action="store_true",
+                    help="also pdmesh's router serving HTTPS itself (side pdmesh_tls; needs the openssl command)")
     ap.add_argument("--floor", action="store_true",
                     help="also measure bench/router_floor.py (HTTP + two gRPC calls, nothing else) in the "
                          "non-streamed cases")
@@ -298,6 +322,8 @@ def main() -> int:
         sides += [f"pdmesh_p{n}" for n in processes[1:]]
     if args.grpc_lane:
         sides.append("pdmesh_grpc_lane")
+    if args.tls:
+        sides.append("pdmesh_tls")
     if args.baseline:
         sides.append("baseline")
     if args.floor:
@@ -324,7 +350,8 @@ def main() -> int:
                 urls["sglang"] = f"http://127.0.0.1:{sr}"
                 routers["sglang"] = router.popen.pid
 
-            def grpc_side(side: str, router_module: str, router_args: list[str], root: pathlib.Path = ROOT) -> Proc:
+            def grpc_side(side: str, router_module: str, router_args: list[str], root: pathlib.Path = ROOT,
+                          scheme: str = "http") -> Proc:
                 """Two instant fake gRPC workers (one process each, this bench's --serve-fake-grpc in
                 `root`'s tree) and `router_module` in front of them; the fake decode's process."""
                 p, d, r = free_port(), free_port(), free_port()
@@ -333,7 +360,7 @@ def main() -> int:
                 router = procs.start("router", router_module, [*router_args, "--port", str(r), "--prefill",
                                                                f"127.0.0.1:{p}", "--decode", f"127.0.0.1:{d}"],
                                      router_core, root)
-                urls[side] = f"http://127.0.0.1:{r}"
+                urls[side] = f"{scheme}://127.0.0.1:{r}"
                 routers[side] = router.popen.pid
                 return fakes[1]
 
@@ -345,6 +372,10 @@ def main() -> int:
                     grpc_side(f"pdmesh_p{n}", "services.router", [*pdmesh_router, "--processes", str(n)])
             if "pdmesh_grpc_lane" in sides:
                 grpc_side("pdmesh_grpc_lane", "services.router", [*pdmesh_router, "--worker-lane-client", "grpc"])
+            if "pdmesh_tls" in sides:
+                key, cert = self_signed(tmp)
+                grpc_side("pdmesh_tls", "services.router", [*pdmesh_router, "--ssl-keyfile", str(key),
+                                                            "--ssl-certfile", str(cert)], scheme="https")
             if "baseline" in sides:  # the same processes, from the other checkout's files
                 grpc_side("baseline", "services.router", pdmesh_router, args.baseline.resolve())
             for floor in ("floor", "floor_lane"):
@@ -390,6 +421,7 @@ def main() -> int:
                 for side in measured:
                     case[side] = {"median": median_of(runs[side]), "runs": runs[side]}
                 pairs = [("pdmesh", "sglang"), ("baseline", "sglang"), ("pdmesh_grpc_lane", "sglang"),
+                         ("pdmesh_tls", "sglang"), ("pdmesh_tls", "pdmesh"),
                          ("pdmesh", "pdmesh_grpc_lane"), ("floor", "sglang"),
                          ("floor_lane", "sglang"), ("pdmesh", "baseline"), ("pdmesh", "floor"),
                          ("pdmesh", "floor_lane")]
@@ -421,6 +453,8 @@ def main() -> int:
                       f"real one does: {os.environ.get('PDMESH_FAKE_COALESCE', '1') == '1'}",
             "baseline": f"the router and fake workers of {args.baseline}" if args.baseline else None,
             "pdmesh_grpc_lane": "pdmesh's router with --worker-lane-client grpc" if args.grpc_lane else None,
+            "pdmesh_tls": "pdmesh's router serving HTTPS itself (--ssl-keyfile/--ssl-certfile, a self-signed "
+                          "certificate; wrk's connections kept)" if args.tls else None,
             "floor": "bench/router_floor.py: uvicorn + grpc.aio, Prefill + Decode per request and nothing else, "
                      "one gRPC call each, in front of its own instant fake gRPC workers (non-streamed cases only)",
             "floor_lane": "bench/router_floor.py --lane: the same with both calls over the lane (one stream per "

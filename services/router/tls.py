@@ -14,7 +14,9 @@ finishing a handshake could hold every descriptor the router has. So the router'
 accepts plain sockets itself and counts each as a `Handshake` among the router's connections
 (`connection_guard.make_room`: idle, so at the limit the longest-waiting one makes room) while
 the loop runs its handshake (`connect_accepted_socket`), bounded by --header-timeout (asyncio's
-default waits 60 s); the HTTP protocol takes its place when the handshake is done.
+default waits 60 s); the HTTP protocol takes its place when the handshake is done. A client that
+speaks plain HTTP to the port (its first byte is not a TLS record's) gets a 400 saying so, with
+an OpenAI error body, as nginx answers there, instead of a connection closed without a word.
 """
 
 from __future__ import annotations
@@ -27,13 +29,16 @@ import time
 from collections.abc import Callable
 
 from services.common.listening import listening_socket
-from services.router.connection_guard import make_room
+from services.router.connection_guard import closing_error, make_room
 
 ACCEPT_RETRY = 0.1  # seconds before accepting again after accept() failed (out of descriptors, say)
 # seconds a closing connection waits for the client's close_notify before it is cut: an idle
 # keep-alive client reads nothing, and the loop's default (30 s) would hold a stopping router
 # that long for each such connection
 SHUTDOWN_WAIT = 2.0
+TLS_HANDSHAKE_RECORD = 0x16  # the first byte of every TLS ClientHello
+PLAIN_HTTP = closing_error(400, "https_required", "This port serves HTTPS: the request was sent as plain "
+                           "HTTP. Use an https:// URL.")
 
 CERT_REQS = {0: ssl.CERT_NONE, 1: ssl.CERT_OPTIONAL, 2: ssl.CERT_REQUIRED}
 
@@ -76,7 +81,7 @@ class Handshake:
         self.connections, self.on_cutoff, self.conn = connections, on_cutoff, conn
         self._idle_since = time.monotonic()  # no request yet: idle, the first to make room at the limit
         self._aborted = False
-        self.started = False  # the loop owns the socket from here (it closes it)
+        self.running = False  # its task began: the task closes the socket, or the loop does for it
         self.task: asyncio.Task | None = None
 
     def _cut(self, reason: str) -> None:
@@ -89,7 +94,7 @@ class Handshake:
             return
         self._aborted = True
         self.connections.discard(self)
-        if not self.started:
+        if not self.running:
             self.conn.close()
         if self.task is not None:
             self.task.cancel()
@@ -133,11 +138,41 @@ class TLSServer:
         http.handshake = entry  # its connection_made takes the entry's place
         entry.task = self._loop.create_task(self._handshake(http, entry))
 
-    async def _handshake(self, http, entry: Handshake) -> None:
-        entry.started = True
+    async def _first_byte(self, conn: socket.socket) -> bytes:
+        """The connection's first byte, left unread (b"": closed, or nothing within the handshake's time)."""
+        readable, fd = self._loop.create_future(), conn.fileno()
+        self._loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
         try:
+            await asyncio.wait_for(readable, self.handshake_timeout)
+            return conn.recv(1, socket.MSG_PEEK)
+        except (TimeoutError, OSError):
+            return b""
+        finally:
+            self._loop.remove_reader(fd)
+
+    def _refuse_plain_http(self, conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            conn.recv(65536)  # the request as far as it came: a close with it unread would reset the answer
+            conn.send(PLAIN_HTTP)
+            conn.shutdown(socket.SHUT_WR)
+
+    async def _handshake(self, http, entry: Handshake) -> None:
+        entry.running = True
+        until = self._loop.time() + self.handshake_timeout  # the first byte and the handshake, together
+        try:
+            first = await self._first_byte(entry.conn)
+        except asyncio.CancelledError:  # cut at the limit, or the server stopping
+            entry.conn.close()
+            raise
+        if first and first[0] != TLS_HANDSHAKE_RECORD:
+            self._refuse_plain_http(entry.conn)
+        if not first or first[0] != TLS_HANDSHAKE_RECORD or entry._aborted:
+            entry.conn.close()
+            entry.abort()
+            return
+        try:  # the loop owns the socket from here, and closes it
             await self._loop.connect_accepted_socket(lambda: http, entry.conn, ssl=self.context,
-                                                     ssl_handshake_timeout=self.handshake_timeout,
+                                                     ssl_handshake_timeout=max(0.001, until - self._loop.time()),
                                                      ssl_shutdown_timeout=SHUTDOWN_WAIT)
         except (Exception, asyncio.CancelledError):  # noqa: BLE001 - the loop closed the connection
             pass  # a failed or late handshake, the client gone, cut at the limit, the server stopping

@@ -1,7 +1,7 @@
 """The router serving HTTPS itself (--ssl-keyfile, --ssl-certfile; vLLM's flags), as a real
 process in front of fake workers, with certificates made by the real openssl: the openai SDK
 streams and completes over it, with one process and with several; a connection that never
-finishes its handshake is dropped after --header-timeout, and 300 of them against a router with
+finishes its handshake is dropped after --header-timeout, plain HTTP sent to it gets a 400 saying so, and 300 of them against a router with
 192 descriptors' worth of connections leave room for new clients; a reader that stalls is cut off; client certificates are required when
 asked; the containers' health check and a real Prometheus ask it over HTTPS; bad TLS settings end the router with
 one line naming the flag."""
@@ -108,8 +108,11 @@ def test_https_serves_the_api_and_drops_a_handshake_that_never_comes(tmp_path, c
         t0 = time.monotonic()
         assert silent.recv(1) == b"" and time.monotonic() - t0 < 5
         silent.close()
-        with pytest.raises(httpx.TransportError):  # plain HTTP on the HTTPS port: closed, nothing served
-            httpx.get(f"http://127.0.0.1:{router.http_port}/health", timeout=5)
+        # plain HTTP on the HTTPS port: a 400 that says so, as nginx answers there
+        plain = httpx.post(f"http://127.0.0.1:{router.http_port}/v1/completions", timeout=5,
+                           json={"model": MODEL, "prompt": "hi", "max_tokens": 4})
+        assert plain.status_code == 400 and plain.json()["error"]["code"] == "https_required", plain.text
+        assert "https://" in plain.json()["error"]["message"]
         with pytest.raises(httpx.ConnectError):  # a client that does not trust the certificate
             httpx.get(url + "/health", timeout=5)
         completes_and_streams(url, client)  # none of that hurt the next client

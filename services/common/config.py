@@ -190,6 +190,14 @@ ROUTER_FLAGS = [
          "pd: prefill and decode workers, KV over NIXL; colocated: decode workers only, each computing "
          "the prompt itself (the baseline PD is measured against; --prefill is ignored)",
          choices=("pd", "colocated")),
+    Flag("enable-force-include-usage", bool, False,
+         "every streamed response ends with a usage chunk, as if the request had asked for one "
+         "(stream_options.include_usage), as vLLM's flag: for proxies and billing that count tokens from "
+         "streams whatever the client sent"),
+    Flag("return-tokens-as-token-ids", bool, False,
+         "logprobs name each token 'token_id:N' instead of its text unless a request says otherwise "
+         "(its return_tokens_as_token_ids), as vLLM's flag: tokens whose bytes are not whole characters "
+         "stay identifiable"),
     Flag("tool-call-parser", str, "auto",
          "format of tool calls in the model's replies: hermes (<tool_call> JSON: Hermes, Qwen2.5/3), "
          "llama3_json (Llama 3.1+ JSON), auto (detected from the chat template) or none (tools only with "

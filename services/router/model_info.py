@@ -78,5 +78,7 @@ def served_model(settings: RouterSettings, tokenizer: Tokenizer,
                      aliases=aliases, tool_parser=tool_parser(settings.tool_call_parser, tokenizer),
                      defaults=model_controls.generation_defaults(settings.model, settings.generation_config),
                      capacity=capacity, root=settings.model,
+                     force_include_usage=settings.enable_force_include_usage,
+                     tokens_as_ids=settings.return_tokens_as_token_ids,
                      limits=RequestLimits(settings.max_grammar_bytes, settings.max_request_worker_bytes))
     return names, info

@@ -73,6 +73,11 @@ class ModelInfo:
     capacity: Callable[[], int | None] | None = None
     limits: RequestLimits = DEFAULT_LIMITS  # what one request may send the workers (services/router/limits.py)
     root: str = ""  # the --model it was loaded from (vLLM's model card `root`)
+    # the router's defaults for two vLLM serving flags: a streamed response carries usage even when
+    # not asked (--enable-force-include-usage); logprobs name tokens "token_id:N" unless the
+    # request says otherwise (--return-tokens-as-token-ids)
+    force_include_usage: bool = False
+    tokens_as_ids: bool = False
 
 
 @dataclass
@@ -301,12 +306,13 @@ def _stop(body: dict, vocab_size: int) -> tuple[list[str], list[int]]:
     return strings, list(ids)
 
 
-def _stream(body: dict) -> tuple[bool, bool, bool]:
-    """stream, include_usage, continuous_usage_stats (which, as vLLM's, needs include_usage)."""
+def _stream(body: dict, force_usage: bool = False) -> tuple[bool, bool, bool]:
+    """stream, include_usage, continuous_usage_stats (which, as vLLM's, needs include_usage);
+    `force_usage`: include_usage whatever the request says (--enable-force-include-usage)."""
     stream = get_bool(body, "stream", False)
     opts = body.get("stream_options")
     if opts is None:
-        return stream, False, False
+        return stream, stream and force_usage, False
     if not isinstance(opts, dict):
         raise invalid_type("stream_options", "an object", opts)
     if not stream:
@@ -315,7 +321,7 @@ def _stream(body: dict) -> tuple[bool, bool, bool]:
             param="stream_options",
             code="invalid_value",
         )
-    include_usage = get_bool(opts, "include_usage", False)
+    include_usage = get_bool(opts, "include_usage", False) or force_usage
     return stream, include_usage, include_usage and get_bool(opts, "continuous_usage_stats", False)
 
 
@@ -384,11 +390,11 @@ def _common(body: dict, info: ModelInfo, kind: str) -> dict[str, Any]:
     _controls(body, info.tokenizer.vocab_size, kw)
     _token_masks(body, info.tokenizer, kw)
     kw["stop"], kw["stop_token_ids"] = _stop(body, info.tokenizer.vocab_size)
-    kw["stream"], kw["include_usage"], kw["continuous_usage"] = _stream(body)
+    kw["stream"], kw["include_usage"], kw["continuous_usage"] = _stream(body, info.force_include_usage)
     kw["skip_special_tokens"] = get_bool(body, "skip_special_tokens", True)
     kw["include_stop_str_in_output"] = get_bool(body, "include_stop_str_in_output", False)
     kw["request_id"], kw["session_id"] = _ids_of_request(body)
-    kw["tokens_as_ids"] = get_bool(body, "return_tokens_as_token_ids", False)
+    kw["tokens_as_ids"] = get_bool(body, "return_tokens_as_token_ids", info.tokens_as_ids)
     kw["return_token_ids"] = get_bool(body, "return_token_ids", False)
     kw["prompt_logprobs"] = _prompt_logprobs(body, kw["stream"])
     kw["cache_salt"] = _cache_salt(body)

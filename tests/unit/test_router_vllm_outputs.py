@@ -194,3 +194,25 @@ def test_stop_reason_names_what_stopped_each_choice(cluster):  # noqa: F811
     assert last["finish_reason"] == "stop" and last["stop_reason"] == ord(" ")
     assert all("stop_reason" not in e["choices"][0] for e in events[:-1])
     cluster.all_rpcs_ended()
+
+
+def test_the_serving_flags_that_set_these_defaults(cluster_factory):  # noqa: F811
+    # vLLM's --enable-force-include-usage and --return-tokens-as-token-ids, as router settings
+    c = cluster_factory(enable_force_include_usage=True, return_tokens_as_token_ids=True)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 3, "stream": True}
+    events = _events(c.url + "/v1/completions", body)  # the request asked for no usage
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3
+    assert all(e.get("usage") is None for e in events[:-1])
+    events = _events(c.url + "/v1/completions",
+                     {**body, "stream_options": {"include_usage": False, "continuous_usage_stats": True}})
+    assert events[-1]["usage"]["completion_tokens"] == 3 and events[0]["usage"]["completion_tokens"] == 1
+    whole = httpx.post(c.url + "/v1/completions", json={**body, "stream": False, "logprobs": 1}).json()
+    assert whole["choices"][0]["logprobs"]["tokens"] == [f"token_id:{t}" for t in b"Hel"]
+    own = httpx.post(c.url + "/v1/completions", json={**body, "stream": False, "logprobs": 1,
+                                                      "return_tokens_as_token_ids": False}).json()
+    assert own["choices"][0]["logprobs"]["tokens"] == ["H", "e", "l"]  # the request's own choice wins
+    plain = cluster_factory()  # off by default: as before
+    events = _events(plain.url + "/v1/completions", body)
+    assert all(e.get("usage") is None for e in events)
+    c.all_rpcs_ended()
+    plain.all_rpcs_ended()

@@ -76,7 +76,7 @@ async def stream_response(driver, request: Request) -> Response:
                 driver.finish(outcome["status"], outcome["error"])
 
     response = SSEResponse(
-        _events(driver, first, outcome, lead=KEEPALIVE if early else b""),
+        _events(driver, first, outcome, quiet, lead=KEEPALIVE if early else b""),
         on_close,
         bind=lambda: bound_room(driver.request_id),
         headers={"X-Request-Id": driver.public_id},
@@ -92,16 +92,16 @@ async def stream_response(driver, request: Request) -> Response:
     return response
 
 
-async def _events(driver, first: list[tuple[int, object]], outcome: dict[str, Any],
+async def _events(driver, first: list[tuple[int, object]], outcome: dict[str, Any], quiet: float,
                   lead: bytes = b"") -> AsyncIterator[bytes]:
     # Events of every chunk already in hand go out in one write: when decode (or its many
     # streams) gets ahead of the router, tokens are coalesced instead of costing a send each;
     # a chunk that is not there yet is never waited for before writing what is. `lead`: a
-    # keep-alive comment when the stream begins before its first token.
+    # keep-alive comment when the stream begins before its first token; `quiet`: the seconds of
+    # silence after which one is written (--stream-keepalive-interval, 0: never).
     buf: list[bytes] = [lead] if lead else []
     interval = driver.spec.stream_interval
     batches = [IntervalBatch(interval) for _ in driver.states] if interval > 1 else None
-    quiet = driver.router.settings.stream_keepalive_interval
     idle = IdleTimer(quiet, driver.fan.wake_idle) if quiet > 0 else None
     try:
         if driver.spec.kind == "chat":

@@ -36,7 +36,7 @@ ACCEPT_RETRY = 0.1  # seconds before accepting again after accept() failed (out 
 # keep-alive client reads nothing, and the loop's default (30 s) would hold a stopping router
 # that long for each such connection
 SHUTDOWN_WAIT = 2.0
-TLS_HANDSHAKE_RECORD = 0x16  # the first byte of every TLS ClientHello
+TLS_HANDSHAKE_RECORD = b"\x16"  # the first byte of every TLS ClientHello
 PLAIN_HTTP = closing_error(400, "https_required", "This port serves HTTPS: the request was sent as plain "
                            "HTTP. Use an https:// URL.")
 
@@ -164,9 +164,9 @@ class TLSServer:
         except asyncio.CancelledError:  # cut at the limit, or the server stopping
             entry.conn.close()
             raise
-        if first and first[0] != TLS_HANDSHAKE_RECORD:
-            self._refuse_plain_http(entry.conn)
-        if not first or first[0] != TLS_HANDSHAKE_RECORD or entry._aborted:
+        if first != TLS_HANDSHAKE_RECORD:  # plain HTTP, or nothing in time, or the client gone
+            if first:
+                self._refuse_plain_http(entry.conn)
             entry.conn.close()
             entry.abort()
             return

@@ -44,7 +44,10 @@ def flags_page() -> str:
     parts = ["# Flags\n",
              "Every flag of every service, generated from `services/common/config.py` by "
              "`scripts/gen_flag_tables.py` (a test fails when this page and the code disagree). Each flag "
-             "has a `PDMESH_*` environment twin; the flag wins, and `--help` lists both with the default.\n"]
+             "has a `PDMESH_*` environment twin; the flag wins, and `--help` lists both with the default. "
+             "An on/off flag is a switch, as vLLM's are: alone it turns on (`--enable-ssl-refresh`), "
+             "`--no-NAME` turns it off (`--no-worker-lane`), and it also takes a value (`--worker-lane false`; "
+             "its twin: `true`/`false`, `1`/`0`).\n"]
     for role, command, flags in ROLES:
         parts.append(f"## {role} (`{command}`)\n")
         parts.append(table(flags))

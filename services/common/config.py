@@ -226,6 +226,10 @@ ROUTER_FLAGS = [
     Flag("ssl-cert-reqs", int, 0,
          "client certificates over TLS: 0 not asked for, 1 verified when given, 2 required "
          "(Python's ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED); 1 and 2 need --ssl-ca-certs"),
+    Flag("enable-ssl-refresh", bool, False,
+         "serve a renewed certificate without a restart: the key, certificate and CA files are looked at every "
+         "second, and when one changed the TLS context is built again for new connections (a pair that does "
+         "not load, half-written say, leaves the previous one served and is tried again at the next change)"),
     Flag("request-timeout", float, 600.0, "seconds after which a request fails with 504"),
     Flag("shutdown-timeout", float, 60.0,
          "seconds a stopping router (SIGTERM) keeps serving the requests it holds, streams included, while "
@@ -413,7 +417,12 @@ def build_parser(prog: str, description: str, flags: Sequence[Flag]) -> argparse
         if flag.repeatable:
             kwargs["action"] = "append"
             kwargs["default"] = None
+        if flag.type is bool:  # a switch, as vLLM's and SGLang's: alone it turns on, --no-NAME off
+            kwargs.update(nargs="?", const=True, metavar="{true,false}")
         parser.add_argument(f"--{flag.name}", **kwargs)
+        if flag.type is bool:
+            parser.add_argument(f"--no-{flag.name}", dest=flag.dest, action="store_false",
+                                help=f"--{flag.name} false", default=kwargs["default"])
     return parser
 
 

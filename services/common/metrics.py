@@ -199,7 +199,15 @@ class Metrics:
             "far behind), connection_limit (an idle connection closed, or a new one refused, at --max-connections)",
             ("reason",),
         )
+        self.router_tls_reloads = counter(
+            "router_tls_reloads_total",
+            "times the router built its TLS context again after its certificate files changed "
+            "(--enable-ssl-refresh), by outcome: reloaded, or failed (the previous certificate still served)",
+            ("outcome",),
+        )
         if engine_type == "router":
+            for outcome in ("reloaded", "failed"):
+                self.router_tls_reloads.labels(**self.labels, outcome=outcome)
             for reason in ROUTER_CUTOFF_REASONS:
                 self.router_client_cutoffs.labels(**self.labels, reason=reason)
         self.worker_healthy = Gauge(

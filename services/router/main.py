@@ -22,6 +22,7 @@ from services.router.connection_guard import ConnectionLimits, guarded_protocol
 from services.router.discovery import split_host_port
 from services.router.processes import STOP_MARGIN, Supervisor, child_identity
 from services.router.tls import server_context, tls_server
+from services.router.tls_refresh import CertificateRefresher
 
 
 def main(argv=None) -> None:
@@ -82,10 +83,18 @@ def main(argv=None) -> None:
     except ValueError as e:
         log.error(str(e))
         sys.exit(2)
+    refresher = None
     try:
-        tls = server_context(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+        if args.enable_ssl_refresh and (args.ssl_keyfile or args.ssl_certfile):
+            refresher = CertificateRefresher(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+            tls = refresher.context
+        else:
+            tls = server_context(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
     except ValueError as e:
         log.error(str(e))
+        sys.exit(EXIT_CONFIG)
+    if args.enable_ssl_refresh and tls is None:
+        log.error("--enable-ssl-refresh needs --ssl-keyfile and --ssl-certfile: there is no certificate to refresh")
         sys.exit(EXIT_CONFIG)
     if args.processes > 1 and child is None:
         sys.exit(Supervisor(argv, args.processes, args.host, args.port, log, args.process_stall_timeout,
@@ -120,7 +129,20 @@ def main(argv=None) -> None:
     # again and again under load (measured, non-streamed at c=32: their CPU fell from ~8% of the
     # router's to under 1%).
     gc.freeze()
-    DrainingServer(config, app.state.router, handshake_timeout=args.header_timeout).run(sockets=sockets)
+    if refresher is not None:
+        refresher.report = tls_reload_reporter(app.state.router, log)
+    DrainingServer(config, app.state.router, handshake_timeout=args.header_timeout,
+                   refresher=refresher).run(sockets=sockets)
+
+
+def tls_reload_reporter(router, log):
+    """Each reload's outcome, as a log line and in pdmesh:router_tls_reloads_total."""
+
+    def report(outcome: str, sentence: str) -> None:
+        (log.info if outcome == "reloaded" else log.warning)(sentence, outcome=outcome)
+        router.metrics.inc(router.metrics.router_tls_reloads, outcome=outcome)
+
+    return report
 
 
 def server_config(app, limits: ConnectionLimits, *, host: str, port: int, log_level: str = "warning",
@@ -150,12 +172,15 @@ def server_config(app, limits: ConnectionLimits, *, host: str, port: int, log_le
 class DrainingServer(uvicorn.Server):
     """uvicorn, told of the stop signal first: the router stops admitting as uvicorn stops
     accepting, and uvicorn waits (--shutdown-timeout) for what the router holds. Over HTTPS each
-    handshake is bounded by `handshake_timeout`."""
+    handshake is bounded by `handshake_timeout`, and with a `refresher` (--enable-ssl-refresh) each
+    one uses the certificate the files hold then."""
 
-    def __init__(self, config: uvicorn.Config, router, handshake_timeout: float = 60.0):
+    def __init__(self, config: uvicorn.Config, router, handshake_timeout: float = 60.0,
+                 refresher: CertificateRefresher | None = None):
         super().__init__(config)
         self.router = router
         self.handshake_timeout = handshake_timeout
+        self.refresher = refresher
 
     async def startup(self, sockets=None) -> None:
         if self.config.ssl is None:
@@ -164,11 +189,20 @@ class DrainingServer(uvicorn.Server):
         # the connection guard's sight: its listening sockets are served by a TLSServer instead
         # (services/router/tls.py), given in place of the loop's create_server while it starts
         loop = asyncio.get_running_loop()
-        loop.create_server = tls_server(self.config.ssl, self.handshake_timeout)
+        fixed = self.config.ssl
+        loop.create_server = tls_server((lambda: fixed) if self.refresher is None else (lambda: self.refresher.context),
+                                        self.handshake_timeout)
         try:
             await super().startup(sockets=sockets)
         finally:
             del loop.create_server
+        if self.refresher is not None:
+            self.refresher.start()
+
+    async def shutdown(self, sockets=None) -> None:
+        if self.refresher is not None:
+            self.refresher.stop()
+        await super().shutdown(sockets=sockets)
 
     def handle_exit(self, sig, frame) -> None:
         self.router.begin_drain()

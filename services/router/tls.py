@@ -109,8 +109,9 @@ class TLSServer:
     (the module's docstring): `sockets`, `close()`, `wait_closed()` and `is_serving()` as an
     asyncio Server's."""
 
-    def __init__(self, protocol_factory: Callable, sock: socket.socket, context: ssl.SSLContext,
+    def __init__(self, protocol_factory: Callable, sock: socket.socket, context: Callable[[], ssl.SSLContext],
                  handshake_timeout: float, backlog: int):
+        # `context` is asked at each handshake: a renewed certificate (tls_refresh.py) takes effect at once
         self.protocol_factory, self.context, self.handshake_timeout = protocol_factory, context, handshake_timeout
         sock.listen(backlog)
         sock.setblocking(False)
@@ -171,7 +172,7 @@ class TLSServer:
             entry.abort()
             return
         try:  # the loop owns the socket from here, and closes it
-            await self._loop.connect_accepted_socket(lambda: http, entry.conn, ssl=self.context,
+            await self._loop.connect_accepted_socket(lambda: http, entry.conn, ssl=self.context(),
                                                      ssl_handshake_timeout=max(0.001, until - self._loop.time()),
                                                      ssl_shutdown_timeout=SHUTDOWN_WAIT)
         except (Exception, asyncio.CancelledError):  # noqa: BLE001 - the loop closed the connection
@@ -190,9 +191,10 @@ class TLSServer:
         return not self._accepting.done()
 
 
-def tls_server(context: ssl.SSLContext, handshake_timeout: float) -> Callable:
+def tls_server(context: Callable[[], ssl.SSLContext], handshake_timeout: float) -> Callable:
     """A stand-in for the loop's create_server, as uvicorn calls it (its protocol factory, with
-    `sock=` or `host=`/`port=`, `ssl=` and `backlog=`), that serves TLS through a TLSServer."""
+    `sock=` or `host=`/`port=`, `ssl=` and `backlog=`), that serves TLS through a TLSServer with
+    the context `context()` gives at each handshake."""
 
     async def create_server(protocol_factory: Callable, host: str | None = None, port: int | None = None, *,
                             sock: socket.socket | None = None, ssl=None, backlog: int = 100, **_) -> TLSServer:  # noqa: ARG001

@@ -205,7 +205,13 @@ class Metrics:
             "(--enable-ssl-refresh), by outcome: reloaded, or failed (the previous certificate still served)",
             ("outcome",),
         )
+        self.router_tls_reload_failing = Gauge(
+            PREFIX + "router_tls_reload_failing",
+            "1 while the router's certificate files, changed, do not load (--enable-ssl-refresh): it still "
+            "serves the certificate it loaded before",
+            LABELS, registry=r)
         if engine_type == "router":
+            self.router_tls_reload_failing.labels(**self.labels).set(0)
             for outcome in ("reloaded", "failed"):
                 self.router_tls_reloads.labels(**self.labels, outcome=outcome)
             for reason in ROUTER_CUTOFF_REASONS:

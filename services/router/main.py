@@ -136,11 +136,13 @@ def main(argv=None) -> None:
 
 
 def tls_reload_reporter(router, log):
-    """Each reload's outcome, as a log line and in pdmesh:router_tls_reloads_total."""
+    """Each reload's outcome, as a log line, in pdmesh:router_tls_reloads_total and in
+    pdmesh:router_tls_reload_failing (1 from a failed reload until one succeeds)."""
 
     def report(outcome: str, sentence: str) -> None:
         (log.info if outcome == "reloaded" else log.warning)(sentence, outcome=outcome)
         router.metrics.inc(router.metrics.router_tls_reloads, outcome=outcome)
+        router.metrics.child(router.metrics.router_tls_reload_failing).set(0 if outcome == "reloaded" else 1)
 
     return report
 

@@ -72,6 +72,10 @@ def reloads(url: str, client: httpx.Client, outcome: str) -> float:
                if labels["outcome"] == outcome)
 
 
+def failing(url: str, client: httpx.Client) -> float:
+    return sum(v for _, v in labelled_samples(client.get(url + "/metrics").text, "pdmesh:router_tls_reload_failing"))
+
+
 def test_a_renewed_certificate_is_served_to_new_connections(tmp_path, certs):
     live = tmp_path / "live"
     live.mkdir()
@@ -92,11 +96,13 @@ def test_a_renewed_certificate_is_served_to_new_connections(tmp_path, certs):
         with httpx.Client(verify=trusting(live), timeout=10) as fresh:
             completes_and_streams(url, fresh)
         assert "still serving the previous certificate" in router.log()
+        assert failing(url, client) == 1
 
         replace_file(renewed_key, live / "server.key")  # the pair is whole: new connections get it
         wait_for(lambda: served_name(router.http_port, live / "ca.pem") == "pdmesh renewed", 10,
                  "the renewed certificate to be served")
         assert reloads(url, client, "reloaded") == 1 and reloads(url, client, "failed") == 1
+        assert failing(url, client) == 0
         with httpx.Client(verify=trusting(live), timeout=10) as fresh:
             completes_and_streams(url, fresh)
         completes_and_streams(url, client)  # the connection opened before the renewal still serves

@@ -230,6 +230,13 @@ def test_client_certificates_when_required(tmp_path, certs):
         completes_and_streams(url, client)
         with pytest.raises(httpx.TransportError):  # no client certificate: the handshake fails
             httpx.get(url + "/health", verify=trusting(certs), timeout=5).raise_for_status()
+        # the containers' health check presents one (PDMESH_HEALTH_CERTFILE / KEYFILE), or fails without
+        check = [sys.executable, str(ROOT / "deploy" / "healthcheck.py")]
+        env = {**os.environ, "PDMESH_HEALTH_URL": url + "/health"}
+        assert subprocess.run(check, capture_output=True, timeout=30, env=env).returncode == 1
+        env.update(PDMESH_HEALTH_CERTFILE=str(certs / "client.pem"), PDMESH_HEALTH_KEYFILE=str(certs / "client.key"))
+        done = subprocess.run(check, capture_output=True, text=True, timeout=30, env=env)
+        assert done.returncode == 0, done.stderr
         assert running(url, client) == 0
 
 

@@ -612,7 +612,7 @@ def test_healthcheck_finds_role_and_port_from_the_command_line(healthcheck, tmp_
         (tmp_path / str(pid) / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
         (tmp_path / str(pid) / "environ").write_bytes(env.encode() + b"\0")
     (tmp_path / "self").mkdir()
-    assert healthcheck.find_service(tmp_path) == ("prefill", 9100, "http")
+    assert healthcheck.find_service(tmp_path) == ("prefill", 9100, "http", None)
 
 
 def test_healthcheck_asks_an_https_router_over_https(healthcheck):
@@ -622,6 +622,21 @@ def test_healthcheck_asks_an_https_router_over_https(healthcheck):
     assert tls(["python", "-m", "services.router"], {"PDMESH_SSL_CERTFILE": "/c.pem"})
     assert not tls(["python", "-m", "services.router"], {"PDMESH_SSL_CERTFILE": ""})
     assert not tls(["python", "-m", "services.router", "--port", "8000"], {})
+
+
+def test_healthcheck_presents_a_client_certificate_where_one_is_required(healthcheck, tmp_path):
+    pair = healthcheck.client_pair
+    router = ["python", "-m", "services.router", "--ssl-certfile", "/r.pem", "--ssl-keyfile", "/r.key"]
+    assert pair(router, {}, {}) is None  # none asked for
+    assert pair([*router, "--ssl-cert-reqs", "2"], {}, {}) == ("/r.pem", "/r.key")  # its own pair
+    assert pair(router, {"PDMESH_SSL_CERT_REQS": "2"}, {}) == ("/r.pem", "/r.key")
+    assert pair([*router, "--ssl-cert-reqs", "1"], {}, {}) is None  # optional: an unverifiable one would fail
+    own = {"PDMESH_HEALTH_CERTFILE": "/h.pem", "PDMESH_HEALTH_KEYFILE": "/h.key"}
+    assert pair([*router, "--ssl-cert-reqs", "2"], {}, own) == ("/h.pem", "/h.key")
+    (tmp_path / "9").mkdir()
+    (tmp_path / "9" / "cmdline").write_bytes(b"\0".join(a.encode() for a in [*router, "--ssl-cert-reqs=2"]) + b"\0")
+    (tmp_path / "9" / "environ").write_bytes(b"PDMESH_PORT=8443\0")
+    assert healthcheck.find_service(tmp_path, own_env={}) == ("router", 8443, "https", ("/r.pem", "/r.key"))
 
 
 def _serve(status: int):

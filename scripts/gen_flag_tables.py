@@ -35,7 +35,8 @@ def table(flags) -> str:
     for f in flags:
         choices = f" (one of {', '.join(f'`{c}`' for c in f.choices)})" if f.choices else ""
         repeat = " Repeatable (env: comma-separated, or a JSON list)." if f.repeatable else ""
-        meaning = (f.help + choices + repeat).replace("|", "\\|")
+        names = "".join(f" Also `--{n}`." for n in f.on_names) + "".join(f" Off: `--{n}`." for n in f.off_names)
+        meaning = (f.help + choices + repeat + names).replace("|", "\\|")
         rows.append(f"| `--{f.name}` | `{f.env}` | {_default(f)} | {meaning} |")
     return "\n".join(rows) + "\n"
 

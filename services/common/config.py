@@ -34,6 +34,9 @@ class Flag:
     help: str
     choices: Sequence[Any] | None = None
     repeatable: bool = False  # may be given several times; env twin is comma-separated
+    # a switch's other spellings, another server's (vLLM's) names for it: these turn it on, those off
+    on_names: tuple[str, ...] = ()
+    off_names: tuple[str, ...] = ()
 
     @property
     def env(self) -> str:
@@ -190,6 +193,12 @@ ROUTER_FLAGS = [
          "pd: prefill and decode workers, KV over NIXL; colocated: decode workers only, each computing "
          "the prompt itself (the baseline PD is measured against; --prefill is ignored)",
          choices=("pd", "colocated")),
+    Flag("log-requests", bool, True,
+         "a JSON line per request as it ends ('request done': status, tokens, TTFT, latency, attempts, "
+         "migrations) and one per attempt on a worker pair ('attempt'), both at info; off, the router keeps "
+         "its other lines (a failed request, fail-overs, refusals by the workers, the pool's changes) and its "
+         "metrics, and spends less CPU per request (docs/bench.md).",
+         on_names=("enable-log-requests",), off_names=("disable-log-requests",)),
     Flag("enable-force-include-usage", bool, False,
          "every streamed response ends with a usage chunk, as if the request had asked for one "
          "(stream_options.include_usage), as vLLM's flag: for proxies and billing that count tokens from "
@@ -419,10 +428,10 @@ def build_parser(prog: str, description: str, flags: Sequence[Flag]) -> argparse
             kwargs["default"] = None
         if flag.type is bool:  # a switch, as vLLM's and SGLang's: alone it turns on, --no-NAME off
             kwargs.update(nargs="?", const=True, metavar="{true,false}")
-        parser.add_argument(f"--{flag.name}", **kwargs)
+        parser.add_argument(f"--{flag.name}", *(f"--{n}" for n in flag.on_names), **kwargs)
         if flag.type is bool:
-            parser.add_argument(f"--no-{flag.name}", dest=flag.dest, action="store_false",
-                                help=f"--{flag.name} false", default=kwargs["default"])
+            parser.add_argument(f"--no-{flag.name}", *(f"--{n}" for n in flag.off_names), dest=flag.dest,
+                                action="store_false", help=f"--{flag.name} false", default=kwargs["default"])
     return parser
 
 

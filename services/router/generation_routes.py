@@ -69,7 +69,8 @@ async def generate(router, request: Request, kind: str, parse: Parser | None = N
             # the slots are taken once the body is in and parsed: a client slow to send holds none
             slots = router.admission.admit(len(spec.prompts) * spec.n)
         except APIError as e:
-            log.info("request rejected", status=e.status, error=e.message[:300])
+            if router.settings.log_requests:
+                log.info("request rejected", status=e.status, error=e.message[:300])
             if not body_in:
                 # what is left of the body would arrive as the connection's next bytes: close it
                 e.headers = {**e.headers, "Connection": "close"}

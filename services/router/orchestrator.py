@@ -111,8 +111,10 @@ def retry_avoids(failure: WorkerFailure, prefill: WorkerHandle, decode: WorkerHa
 
 class Orchestrator:
     def __init__(self, pool: WorkerPool, eos_ids: Sequence[int], max_migrations: int = 2,
-                 stall_timeout: float = 30.0, metrics: Metrics | None = None):
+                 stall_timeout: float = 30.0, metrics: Metrics | None = None, log_requests: bool = True):
         self.pool = pool
+        # --log-requests: each attempt's line; off, only the attempts after a failure are logged
+        self.log_requests = log_requests
         self.eos_ids = list(eos_ids)
         self.max_migrations = max_migrations
         self.stall_timeout = stall_timeout
@@ -237,9 +239,11 @@ class Orchestrator:
                     attempt = Attempt(self.pool, self.reap, held, room, ids, params, deadline,
                                       self.stall_timeout, share_key)
                     held = None  # the attempt releases the pair's leases from now on
-                    log.info("attempt", attempt=req.attempts, prefill=prefill.addr if prefill else path,
-                             decode=decode.addr, path=path, status=req.status.value,
-                             prompt_tokens=len(ids), max_tokens=progress.remaining, resumed_at=len(progress.generated))
+                    if self.log_requests or not first:
+                        log.info("attempt", attempt=req.attempts, prefill=prefill.addr if prefill else path,
+                                 decode=decode.addr, path=path, status=req.status.value,
+                                 prompt_tokens=len(ids), max_tokens=progress.remaining,
+                                 resumed_at=len(progress.generated))
                 try:
                     while True:
                         chunk = await attempt.next()

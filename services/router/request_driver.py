@@ -169,6 +169,8 @@ class RequestDriver:
             r.metrics.observe(r.metrics.e2e_request_latency, e2e)
         if status == CLIENT_CLOSED:
             r.metrics.inc(r.metrics.num_aborted_requests)
+        if not (error or r.settings.log_requests):
+            return
         fields = dict(
             status=status, stream=self.spec.stream, prompt_tokens=self.state.usage(self.states)["prompt_tokens"],
             n=self.spec.n, prompts=len(self.spec.prompts),

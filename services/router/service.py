@@ -80,7 +80,8 @@ class Router:
         self.exposition = self.load.metrics(self.metrics.exposition)  # one /metrics for all processes
         self.orchestrator = Orchestrator(self.pool, self.tokenizer.eos_token_ids,
                                          max_migrations=settings.max_migrations,
-                                         stall_timeout=settings.stream_stall_timeout, metrics=self.metrics)
+                                         stall_timeout=settings.stream_stall_timeout, metrics=self.metrics,
+                                         log_requests=settings.log_requests)
         self.metrics.pairs_from(lambda: [(p.addr, d.addr) for p, d in self.pool.pairs.marks()])
         self.canary = Canary(self.pool, self.orchestrator.reap, self.tokenizer.encode("pdmesh canary"),
                              settings.canary_interval if settings.mode == "pd" else 0.0, settings.canary_timeout,

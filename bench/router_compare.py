@@ -42,11 +42,15 @@ HTTPS: `--tls` also measures pdmesh's router serving HTTPS itself (side `pdmesh_
 self-signed certificate made with the openssl command for the run; wrk keeps its connections,
 so what it shows is the per-request cost of TLS, not the handshakes').
 
+Without per-request logs: `--quiet` also measures both routers with their per-request log lines
+off (sides `sglang_quiet`, sglang-router's `--log-level warn`, and `pdmesh_quiet`, pdmesh's
+`--no-log-requests`): by default each writes two lines per request.
+
 The lane's carrier: `--grpc-lane` also measures pdmesh's router with `--worker-lane-client grpc`
 (side `pdmesh_grpc_lane`: the lane on a grpc.aio stream instead of the router's own HTTP/2).
 
 Usage: python bench/router_compare.py [--seconds 5] [--rounds 2] [--stream-tokens 64] [--no-pin]
-       [--only pdmesh|sglang] [--floor] [--baseline DIR] [--grpc-lane] [--tls] [--processes 1,2]
+       [--only pdmesh|sglang] [--floor] [--baseline DIR] [--grpc-lane] [--tls] [--quiet] [--processes 1,2]
        [--router-cores K] [--sglang-cores K]
 """
 
@@ -292,6 +296,8 @@ def main() -> int:
                          "stream instead of the router's own HTTP/2), as the side 'pdmesh_grpc_lane'")
     ap.add_argument("--tls", action="store_true",
                     help="also pdmesh's router serving HTTPS itself (side pdmesh_tls; needs the openssl command)")
+    ap.add_argument("--quiet", action="store_true",
+                    help="also both routers without per-request log lines (sides sglang_quiet, pdmesh_quiet)")
     ap.add_argument("--floor", action="store_true",
                     help="also measure bench/router_floor.py (HTTP + two gRPC calls, nothing else) in the "
                          "non-streamed cases")
@@ -324,6 +330,8 @@ def main() -> int:
         sides.append("pdmesh_grpc_lane")
     if args.tls:
         sides.append("pdmesh_tls")
+    if args.quiet:
+        sides += [side + "_quiet" for side in ("sglang", "pdmesh") if side in sides]
     if args.baseline:
         sides.append("baseline")
     if args.floor:
@@ -338,7 +346,9 @@ def main() -> int:
         routers: dict[str, int] = {}  # side → the router's pid, for its CPU time per request
         fake_decode: Proc | None = None  # pdmesh's, asked for its chunk counts
         try:
-            if "sglang" in sides:
+            for side, extra in (("sglang", []), ("sglang_quiet", ["--log-level", "warn"])):
+                if side not in sides:
+                    continue
                 sp, sd, sr = free_port(), free_port(), free_port()
                 for role, port in (("prefill", sp), ("decode", sd)):
                     procs.start("fakes", "services.fakes.sglang_worker", ["--port", str(port), "--role", role],
@@ -346,9 +356,10 @@ def main() -> int:
                 router = procs.start("sglang-router", "sglang_router.launch_router", [
                     "--pd-disaggregation", "--prefill", f"http://127.0.0.1:{sp}", "none",
                     "--decode", f"http://127.0.0.1:{sd}", "--policy", "round_robin",
-                    "--host", "127.0.0.1", "--port", str(sr)], sglang_core, python=str(sgl_py))
-                urls["sglang"] = f"http://127.0.0.1:{sr}"
-                routers["sglang"] = router.popen.pid
+                    "--host", "127.0.0.1", "--port", str(sr), "--prometheus-port", str(free_port()), *extra],
+                    sglang_core, python=str(sgl_py))
+                urls[side] = f"http://127.0.0.1:{sr}"
+                routers[side] = router.popen.pid
 
             def grpc_side(side: str, router_module: str, router_args: list[str], root: pathlib.Path = ROOT,
                           scheme: str = "http") -> Proc:
@@ -370,6 +381,8 @@ def main() -> int:
             for n in processes[1:]:
                 if f"pdmesh_p{n}" in sides:
                     grpc_side(f"pdmesh_p{n}", "services.router", [*pdmesh_router, "--processes", str(n)])
+            if "pdmesh_quiet" in sides:
+                grpc_side("pdmesh_quiet", "services.router", [*pdmesh_router, "--no-log-requests"])
             if "pdmesh_grpc_lane" in sides:
                 grpc_side("pdmesh_grpc_lane", "services.router", [*pdmesh_router, "--worker-lane-client", "grpc"])
             if "pdmesh_tls" in sides:
@@ -422,6 +435,7 @@ def main() -> int:
                     case[side] = {"median": median_of(runs[side]), "runs": runs[side]}
                 pairs = [("pdmesh", "sglang"), ("baseline", "sglang"), ("pdmesh_grpc_lane", "sglang"),
                          ("pdmesh_tls", "sglang"), ("pdmesh_tls", "pdmesh"),
+                         ("pdmesh_quiet", "sglang_quiet"), ("pdmesh_quiet", "pdmesh"), ("sglang_quiet", "sglang"),
                          ("pdmesh", "pdmesh_grpc_lane"), ("floor", "sglang"),
                          ("floor_lane", "sglang"), ("pdmesh", "baseline"), ("pdmesh", "floor"),
                          ("pdmesh", "floor_lane")]
@@ -453,6 +467,8 @@ def main() -> int:
                       f"real one does: {os.environ.get('PDMESH_FAKE_COALESCE', '1') == '1'}",
             "baseline": f"the router and fake workers of {args.baseline}" if args.baseline else None,
             "pdmesh_grpc_lane": "pdmesh's router with --worker-lane-client grpc" if args.grpc_lane else None,
+            "quiet": "sglang_quiet: sglang-router with --log-level warn; pdmesh_quiet: pdmesh's router with "
+                     "--no-log-requests (neither writes a line per request)" if args.quiet else None,
             "pdmesh_tls": "pdmesh's router serving HTTPS itself (--ssl-keyfile/--ssl-certfile, a self-signed "
                           "certificate; wrk's connections kept)" if args.tls else None,
             "floor": "bench/router_floor.py: uvicorn + grpc.aio, Prefill + Decode per request and nothing else, "

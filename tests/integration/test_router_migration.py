@@ -6,6 +6,10 @@ keep-alive comments): the client's stream completes with finish_reason "length",
 and exactly the text of an uninterrupted run — greedy,
 and with seeded sampling (temperature 0.8). The built-in model's context is 8192 positions,
 so prompt + 1,500 fits with room to spare.
+
+Before the first token: a stream whose long prompt is still on prefill has sent its status and a
+keep-alive comment (the early start) when its decode is SIGSTOPped; it fails over to the other
+decode unseen (no error event, not counted as a migration) with the text of an undisturbed run.
 """
 
 from __future__ import annotations
@@ -179,3 +183,47 @@ def test_sigstop_mid_stream_migrates_and_the_frozen_decode_recovers(mesh3, refer
     resp = httpx.post(r.http_url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4},
                       timeout=30)
     assert resp.status_code == 200
+
+
+def test_sigstop_before_the_first_token_fails_over_unseen_after_the_early_start(mesh3):
+    # a long prompt's prefill outlasts the keep-alive interval, so the stream's status and first
+    # comment go out before its first token; the decode chosen for it is frozen then, and the
+    # request must move to the other decode with nothing for the client to see but more comments
+    m, p, ds, r = mesh3
+    prompt = "The frozen decode before the first token. " * 150  # ~6,300 byte tokens, never sent before
+    payload = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0, "stream": True}
+    before = migrations(r)
+    failovers = r.log().count("attempt failed; failing over")
+    frozen = {}
+    lines: list[str] = []
+    t0 = time.monotonic()
+    try:
+        with httpx.Client(timeout=httpx.Timeout(60.0)) as client:
+            with client.stream("POST", r.http_url + "/v1/completions", json=payload) as resp:
+                assert resp.status_code == 200
+                for line in resp.iter_lines():
+                    if line.startswith(":") and not frozen and not any(x.startswith("data:") for x in lines):
+                        frozen["proc"] = running_decode(r, ds)  # still computing the prompt on prefill
+                        frozen["proc"].stop()
+                    lines.append(line)
+    finally:
+        if "proc" in frozen:
+            frozen["proc"].cont()
+    elapsed = time.monotonic() - t0
+    assert frozen, "the first token came before the first keep-alive comment: no early start to test"
+    data = [x.removeprefix("data: ") for x in lines if x.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    events = [json.loads(x) for x in data[:-1]]
+    assert not any("error" in e for e in events), events
+    text = "".join(e["choices"][0]["text"] for e in events)
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert migrations(r) == before  # failed over before its first token, not migrated
+    assert r.log().count("attempt failed; failing over") == failovers + 1
+    assert STALL_TIMEOUT <= elapsed < 60, elapsed
+    # the text the request gets undisturbed (now from the prefix cache: the same greedy tokens)
+    whole = httpx.post(r.http_url + "/v1/completions", json={**payload, "stream": False}, timeout=60).json()
+    assert text == whole["choices"][0]["text"] and len(text) > 0
+    d = frozen["proc"]
+    wait_for(lambda: httpx.get(r.http_url + "/health", timeout=5).json()["decode"][d.grpc_addr]["healthy"],
+             20, "the thawed decode to be re-admitted")
+    m.assert_invariants(timeout=20)

@@ -1,5 +1,6 @@
-"""POST /v1/completions and /v1/chat/completions, and `generate`, the path every generation
-request takes from its HTTP request to its response.
+"""POST /v1/completions and /v1/chat/completions (and SageMaker's /invocations, either of them by
+its body), and `generate`, the path every generation request takes from its HTTP request to its
+response.
 
 Order of checks: X-Request-Id (400) → API key (401) → the router's admission budget spent
 already (429, before the body is read or tokenized: an overloaded router must not spend work on
@@ -27,7 +28,7 @@ from services.router.errors import APIError
 from services.router.http_errors import CLIENT_CLOSED
 from services.router.orchestrator import new_room
 from services.router.protocol import valid_request_id
-from services.router.request_body import PARSERS, Parser, parse_spec
+from services.router.request_body import PARSERS, Parser, parse_invocation, parse_spec
 from services.router.request_driver import RequestDriver, Reshape
 
 log = get_logger("router")
@@ -92,7 +93,7 @@ async def generate(router, request: Request, kind: str, parse: Parser | None = N
 
 
 def register(app: FastAPI, router) -> None:
-    """The two generation routes on `app`, and on its fast path (services/router/fastpath.py)."""
+    """The generation routes on `app`, and on its fast path (services/router/fastpath.py)."""
 
     @app.post("/v1/completions", openapi_extra=openapi.request_body(openapi.CompletionRequest),
               responses=openapi.error_responses())
@@ -106,6 +107,15 @@ def register(app: FastAPI, router) -> None:
         """Chat completion (JSON, or SSE with "stream": true)."""
         return await generate(router, request, "chat")
 
+    @app.post("/invocations", openapi_extra=openapi.request_body_one_of(openapi.ChatCompletionRequest,
+                                                                        openapi.CompletionRequest),
+              responses=openapi.error_responses())
+    async def invocations(request: Request) -> Response:
+        """SageMaker's inference route (as vLLM's): a chat completion body ("messages") or a completion
+        body ("prompt"), answered as /v1/chat/completions or /v1/completions would."""
+        return await generate(router, request, "completion", parse=parse_invocation)
+
     # served without FastAPI's middleware and routing (services/router/fastpath.py); the routes
     # above stay for the OpenAPI schema and for what the fast path leaves to FastAPI
-    app.fast_post = {"/v1/completions": completions, "/v1/chat/completions": chat_completions}
+    app.fast_post = {"/v1/completions": completions, "/v1/chat/completions": chat_completions,
+                     "/invocations": invocations}

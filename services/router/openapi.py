@@ -291,6 +291,12 @@ def request_body(model: type[BaseModel]) -> dict[str, Any]:
     }
 
 
+def request_body_one_of(*models: type[BaseModel]) -> dict[str, Any]:
+    """`openapi_extra` for a route whose body is one of `models` (JSON)."""
+    refs = [{"$ref": f"#/components/schemas/{m.__name__}"} for m in models]
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {"oneOf": refs}}}}}
+
+
 def error_responses() -> dict[int | str, dict[str, Any]]:
     """The statuses a generation request may answer with, besides 200."""
     text = {

@@ -25,6 +25,17 @@ Parser = Callable[[Any, ModelInfo], GenerateSpec]
 PARSERS: dict[str, Parser] = {"completion": parse_completion, "chat": parse_chat}
 
 
+def parse_invocation(body: Any, info: ModelInfo) -> GenerateSpec:
+    """SageMaker's POST /invocations, as vLLM serves it: a chat completion body (it has
+    `messages`) or a completion body (`prompt`), each parsed and answered as its own route."""
+    if isinstance(body, dict) and "messages" in body:
+        return parse_chat(body, info)
+    if isinstance(body, dict) and "prompt" in body:
+        return parse_completion(body, info)
+    raise errors.bad_request("/invocations takes a chat completion body (with 'messages') or a completion body "
+                             "(with 'prompt').", code="invalid_value")
+
+
 class BodyReader:
     def __init__(self, max_body_bytes: int, body_timeout: float, max_body_reads: int, metrics: Metrics):
         self.max_body_bytes = max_body_bytes

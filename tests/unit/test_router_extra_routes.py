@@ -109,3 +109,25 @@ def test_x_request_id_is_echoed_and_names_the_response(cluster):  # noqa: F811
     r = httpx.post(cluster.url + "/v1/completions", json=body)
     assert r.json()["id"] == "cmpl-" + r.headers["x-request-id"]
     cluster.all_rpcs_ended()
+
+
+def test_invocations_answers_chat_and_completion_bodies(cluster_factory):  # noqa: F811
+    # SageMaker's route (vLLM's): the body says which API it is, and the answer is that route's
+    c = cluster_factory(api_key="k")
+    auth = {"Authorization": "Bearer k"}
+    chat_body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    chat = httpx.post(c.url + "/invocations", json=chat_body, headers=auth).json()
+    direct = httpx.post(c.url + "/v1/chat/completions", json=chat_body, headers=auth).json()
+    assert chat["object"] == "chat.completion" and chat["choices"][0]["message"] == direct["choices"][0]["message"]
+    text = httpx.post(c.url + "/invocations", json={"model": MODEL, "prompt": "hi", "max_tokens": 5}, headers=auth)
+    assert text.json()["object"] == "text_completion" and text.json()["choices"][0]["text"] == "Hello"
+    with httpx.stream("POST", c.url + "/invocations", json={**chat_body, "stream": True}, headers=auth) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        data = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "data: [DONE]" and '"chat.completion.chunk"' in data[0]
+    neither = httpx.post(c.url + "/invocations", json={"model": MODEL, "input": "hi"}, headers=auth)
+    assert neither.status_code == 400 and "'messages'" in neither.json()["error"]["message"]
+    bad = httpx.post(c.url + "/invocations", json={**chat_body, "max_tokens": 0}, headers=auth)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"  # the chat route's checks
+    assert httpx.post(c.url + "/invocations", json=chat_body).status_code == 401
+    c.all_rpcs_ended()

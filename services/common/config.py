@@ -235,6 +235,9 @@ ROUTER_FLAGS = [
     Flag("ssl-cert-reqs", int, 0,
          "client certificates over TLS: 0 not asked for, 1 verified when given, 2 required "
          "(Python's ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED); 1 and 2 need --ssl-ca-certs"),
+    Flag("disable-fastapi-docs", bool, False,
+         "no /openapi.json and no /docs (Swagger UI): both answer 404, as vLLM's flag, for a deployment that "
+         "does not publish its schema"),
     Flag("enable-ssl-refresh", bool, False,
          "serve a renewed certificate without a restart: the key, certificate and CA files are looked at every "
          "second, and when one changed the TLS context is built again for new connections (a pair that does "

@@ -54,8 +54,10 @@ def create_app(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> 
         finally:
             await router.close()
 
+    docs = not settings.disable_fastapi_docs
     app = RouterApp(title="pdmesh router", summary="OpenAI-compatible API of a prefill/decode-disaggregated mesh",
-                    lifespan=lifespan, redoc_url=None)
+                    lifespan=lifespan, redoc_url=None, openapi_url="/openapi.json" if docs else None,
+                    docs_url="/docs" if docs else None)
     app.state.router = router
     generation_routes.register(app, router)
 

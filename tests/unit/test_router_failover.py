@@ -298,6 +298,17 @@ def test_openapi_describes_the_openai_endpoints(make):
     docs = httpx.get(c.url + "/docs")
     assert docs.status_code == 200 and "swagger" in docs.text.lower()
     assert MODEL  # the served name the schema's examples refer to
+    invocations = schema["paths"]["/invocations"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert len(invocations["oneOf"]) == 2
+
+
+def test_docs_can_be_switched_off(make):
+    # vLLM's --disable-fastapi-docs: neither the schema nor the Swagger UI, the API as before
+    c = make(disable_fastapi_docs=True)
+    for path in ("/openapi.json", "/docs"):
+        r = httpx.get(c.url + path)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_url", path
+    assert post(c, "/v1/completions", completion()).status_code == 200
 
 
 # --- n > 1: one prefill for all choices --------------------------------------------------------------

@@ -83,13 +83,8 @@ def main(argv=None) -> None:
     except ValueError as e:
         log.error(str(e))
         sys.exit(2)
-    refresher = None
     try:
-        if args.enable_ssl_refresh and (args.ssl_keyfile or args.ssl_certfile):
-            refresher = CertificateRefresher(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
-            tls = refresher.context
-        else:
-            tls = server_context(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+        tls = server_context(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
     except ValueError as e:
         log.error(str(e))
         sys.exit(EXIT_CONFIG)
@@ -118,6 +113,15 @@ def main(argv=None) -> None:
                     f"{max_connections} connections at once; raise the limit (ulimit -n; compose: ulimits: nofile; "
                     "the container runtime's default) to allow more",
                     open_files=soft, open_files_hard=hard, max_connections=max_connections)
+    refresher = None
+    if args.enable_ssl_refresh:
+        try:  # the files looked at, then read again: a change since the check above is caught by the first look
+            refresher = CertificateRefresher(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+        except ValueError as e:
+            log.error(str(e))
+            sys.exit(EXIT_CONFIG)
+        refresher.report = tls_reload_reporter(app.state.router, log)
+        tls = refresher.context
     limits = ConnectionLimits(args.header_timeout, args.client_write_timeout, max_connections,
                               args.max_header_bytes)
     config = server_config(app, limits, host=args.host, port=args.port,
@@ -129,8 +133,6 @@ def main(argv=None) -> None:
     # again and again under load (measured, non-streamed at c=32: their CPU fell from ~8% of the
     # router's to under 1%).
     gc.freeze()
-    if refresher is not None:
-        refresher.report = tls_reload_reporter(app.state.router, log)
     DrainingServer(config, app.state.router, handshake_timeout=args.header_timeout,
                    refresher=refresher).run(sockets=sockets)
 
@@ -191,9 +193,9 @@ class DrainingServer(uvicorn.Server):
         # the connection guard's sight: its listening sockets are served by a TLSServer instead
         # (services/router/tls.py), given in place of the loop's create_server while it starts
         loop = asyncio.get_running_loop()
-        fixed = self.config.ssl
-        loop.create_server = tls_server((lambda: fixed) if self.refresher is None else (lambda: self.refresher.context),
-                                        self.handshake_timeout)
+        fixed, refresher = self.config.ssl, self.refresher
+        current = (lambda: fixed) if refresher is None else (lambda: refresher.context)
+        loop.create_server = tls_server(current, self.handshake_timeout)
         try:
             await super().startup(sockets=sockets)
         finally:

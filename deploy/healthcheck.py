@@ -30,7 +30,6 @@ from typing import NamedTuple
 
 DEFAULT_PORTS = {"prefill": 8081, "decode": 8082, "router": 8000}
 PORT_FLAG = {"prefill": "--http-port", "decode": "--http-port", "router": "--port"}
-PORT_ENV = {"prefill": "PDMESH_HTTP_PORT", "decode": "PDMESH_HTTP_PORT", "router": "PDMESH_PORT"}
 
 
 def role_and_port(argv: list[str], env: dict[str, str]) -> tuple[str, int] | None:
@@ -42,16 +41,7 @@ def role_and_port(argv: list[str], env: dict[str, str]) -> tuple[str, int] | Non
             break
     if role not in DEFAULT_PORTS:
         return None
-    flag = PORT_FLAG[role]
-    port = None
-    for i, arg in enumerate(argv):
-        if arg == flag and i + 1 < len(argv):
-            port = argv[i + 1]
-        elif arg.startswith(flag + "="):
-            port = arg.split("=", 1)[1]
-    if port is None:
-        port = env.get(PORT_ENV[role]) or DEFAULT_PORTS[role]
-    return role, int(port)
+    return role, int(flag_value(argv, env, PORT_FLAG[role]) or DEFAULT_PORTS[role])
 
 
 class Service(NamedTuple):
@@ -62,7 +52,7 @@ class Service(NamedTuple):
 
 
 def flag_value(argv: list[str], env: dict[str, str], flag: str) -> str:
-    """A router flag's value on this command line (the last one given), else its PDMESH_* twin."""
+    """A flag's value on this command line (the last one given), else its PDMESH_* twin, else ""."""
     value = None
     for i, arg in enumerate(argv):
         if arg == flag and i + 1 < len(argv):

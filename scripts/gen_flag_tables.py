@@ -35,7 +35,7 @@ def table(flags) -> str:
     for f in flags:
         choices = f" (one of {', '.join(f'`{c}`' for c in f.choices)})" if f.choices else ""
         repeat = " Repeatable (env: comma-separated, or a JSON list)." if f.repeatable else ""
-        names = "".join(f" Also `--{n}`." for n in f.on_names) + "".join(f" Off: `--{n}`." for n in f.off_names)
+        names = "".join(f" Also `--{n}`." for n in f.aliases) + "".join(f" Off: `--{n}`." for n in f.off_names)
         meaning = (f.help + choices + repeat + names).replace("|", "\\|")
         rows.append(f"| `--{f.name}` | `{f.env}` | {_default(f)} | {meaning} |")
     return "\n".join(rows) + "\n"
@@ -48,7 +48,8 @@ def flags_page() -> str:
              "has a `PDMESH_*` environment twin; the flag wins, and `--help` lists both with the default. "
              "An on/off flag is a switch, as vLLM's are: alone it turns on (`--enable-ssl-refresh`), "
              "`--no-NAME` turns it off (`--no-worker-lane`), and it also takes a value (`--worker-lane false`; "
-             "its twin: `true`/`false`, `1`/`0`).\n"]
+             "its twin: `true`/`false`, `1`/`0`). Where vLLM or SGLang name a setting differently, "
+             "a command line written for them works too: the table gives each such name (`Also`, `Off`).\n"]
     for role, command, flags in ROLES:
         parts.append(f"## {role} (`{command}`)\n")
         parts.append(table(flags))

@@ -34,8 +34,9 @@ class Flag:
     help: str
     choices: Sequence[Any] | None = None
     repeatable: bool = False  # may be given several times; env twin is comma-separated
-    # a switch's other spellings, another server's (vLLM's) names for it: these turn it on, those off
-    on_names: tuple[str, ...] = ()
+    # other names for it, vLLM's or SGLang's, that a command line written for them uses; for a
+    # switch, `aliases` turn it on and `off_names` off
+    aliases: tuple[str, ...] = ()
     off_names: tuple[str, ...] = ()
 
     @property
@@ -67,7 +68,7 @@ WORKER_FLAGS = [
          "the model's name in metrics (model_name label), as clients and the router call it; set it like "
          "the router's flag of the same name (of a comma-separated list, the first; default: the model "
          "folder's name)"),
-    Flag("page-size", int, 16, "tokens per KV page"),
+    Flag("page-size", int, 16, "tokens per KV page", aliases=("block-size",)),
     Flag("num-pages", int, 0,
          "KV pages in this worker's pool (allocated once at start); 0: sized from --kv-cache-memory-bytes, else "
          "on CUDA from --gpu-memory-utilization, else 4096"),
@@ -81,7 +82,8 @@ WORKER_FLAGS = [
     Flag("watchdog-interval", float, 1.0, "seconds between watchdog sweeps (runs even when idle)"),
     Flag("prefix-cache", bool, True,
          "on: full KV pages stay cached after their request and a later prompt with the same prefix "
-         "reuses them (evicted, least recently used first, when the pool needs pages); off: no reuse"),
+         "reuses them (evicted, least recently used first, when the pool needs pages); off: no reuse",
+         aliases=("enable-prefix-caching",), off_names=("no-enable-prefix-caching", "disable-radix-cache")),
     Flag("kv-checksum", bool, True,
          "on: prefill sends an XXH3-64 checksum of each room's KV pages and aux row, decode verifies it "
          "before the room's first step and fails the room (DATA_LOSS, the router fails over) on a mismatch; "
@@ -139,7 +141,7 @@ DECODE_FLAGS = [
     *WORKER_FLAGS,
     Flag("grpc-port", int, 50052, "gRPC port (Decode, Health)"),
     Flag("http-port", int, 8082, "HTTP port (/metrics, /health)"),
-    Flag("max-running-requests", int, 64, "largest decode batch"),
+    Flag("max-running-requests", int, 64, "largest decode batch", aliases=("max-num-seqs",)),
     Flag("chunked-prefill-size", int, 512,
          "token budget of one local prefill forward for colocated requests (router --mode colocated, or a "
          "PD router's conditional disaggregation, --local-prefill-max-tokens): "
@@ -198,7 +200,7 @@ ROUTER_FLAGS = [
          "migrations) and one per attempt on a worker pair ('attempt'), both at info; off, the router keeps "
          "its other lines (a failed request, fail-overs, refusals by the workers, the pool's changes) and its "
          "metrics, and spends less CPU per request (docs/bench.md).",
-         on_names=("enable-log-requests",), off_names=("disable-log-requests",)),
+         aliases=("enable-log-requests",), off_names=("disable-log-requests",)),
     Flag("enable-force-include-usage", bool, False,
          "every streamed response ends with a usage chunk, as if the request had asked for one "
          "(stream_options.include_usage), as vLLM's flag: for proxies and billing that count tokens from "
@@ -431,7 +433,7 @@ def build_parser(prog: str, description: str, flags: Sequence[Flag]) -> argparse
             kwargs["default"] = None
         if flag.type is bool:  # a switch, as vLLM's and SGLang's: alone it turns on, --no-NAME off
             kwargs.update(nargs="?", const=True, metavar="{true,false}")
-        parser.add_argument(f"--{flag.name}", *(f"--{n}" for n in flag.on_names), **kwargs)
+        parser.add_argument(f"--{flag.name}", *(f"--{n}" for n in flag.aliases), **kwargs)
         if flag.type is bool:
             parser.add_argument(f"--no-{flag.name}", *(f"--{n}" for n in flag.off_names), dest=flag.dest,
                                 action="store_false", help=f"--{flag.name} false", default=kwargs["default"])

@@ -237,6 +237,10 @@ ROUTER_FLAGS = [
     Flag("ssl-cert-reqs", int, 0,
          "client certificates over TLS: 0 not asked for, 1 verified when given, 2 required "
          "(Python's ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED); 1 and 2 need --ssl-ca-certs"),
+    Flag("root-path", str, "",
+         "the path prefix a reverse proxy serves the router under (e.g. /llm), as vLLM's flag: requests are "
+         "answered with or without it (a proxy that strips it, or one that passes it on), and /openapi.json "
+         "names it as the server's URL so /docs calls the API through the proxy"),
     Flag("disable-fastapi-docs", bool, False,
          "no /openapi.json and no /docs (Swagger UI): both answer 404, as vLLM's flag, for a deployment that "
          "does not publish its schema"),

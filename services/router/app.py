@@ -58,6 +58,9 @@ def create_app(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> 
     app = RouterApp(title="pdmesh router", summary="OpenAI-compatible API of a prefill/decode-disaggregated mesh",
                     lifespan=lifespan, redoc_url=None, openapi_url="/openapi.json" if docs else None,
                     docs_url="/docs" if docs else None)
+    # --root-path, as vLLM sets it: on the app (every request's scope, the schema's server URL),
+    # not uvicorn's, which would prefix every path and so only serve a proxy that strips it
+    app.root_path = settings.root_path
     app.state.router = router
     generation_routes.register(app, router)
 

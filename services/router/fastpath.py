@@ -77,7 +77,13 @@ class RouterApp(FastAPI):
         return scope
 
     def _fast_handler(self, scope: Scope) -> Handler | None:
-        return self.fast_post.get(scope["path"]) if scope["method"] == "POST" and not self.root_path else None
+        if scope["method"] != "POST":
+            return None
+        path = scope["path"]
+        # behind a proxy that keeps the prefix (--root-path), as FastAPI's routing takes it off
+        if self.root_path and path.startswith(self.root_path + "/"):
+            path = path[len(self.root_path):]
+        return self.fast_post.get(path)
 
     async def _serve(self, handler: Handler, scope: Scope, receive: Receive, send: Send, direct: bool) -> None:
         scope["app"] = self

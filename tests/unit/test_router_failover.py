@@ -16,7 +16,7 @@ import pytest
 from services.common.builtin_tokenizer import BuiltinTokenizer
 from services.common.refusal import Refusal
 from services.fakes.workers import Behaviour
-from tests.unit.test_router_app import MODEL, Cluster, completion, post, sse_payloads, wait_for
+from tests.unit.test_router_app import MODEL, Cluster, chat, completion, post, sse_payloads, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -350,4 +350,18 @@ def test_a_choice_that_fails_over_retries_without_the_key(make):
     assert len(keyed) == 3 and len(set(keyed)) == 1  # the first attempts: one prefill, one key
     retries = [r for p in c.prefills for r in p.seen.requests if not r.share_key]
     assert retries  # the failed choice's retry is an ordinary request
+    c.all_rpcs_ended()
+
+
+def test_served_under_a_proxy_path_prefix(make):
+    # vLLM's --root-path: a proxy that passes /llm on and one that strips it both reach the API,
+    # and the schema names /llm as its server so /docs calls through the proxy
+    c = make(root_path="/llm")
+    for prefix in ("/llm", ""):
+        assert post(c, prefix + "/v1/completions", completion()).status_code == 200, prefix
+        assert post(c, prefix + "/v1/chat/completions", chat()).status_code == 200, prefix
+        assert httpx.get(c.url + prefix + "/v1/models").json()["data"][0]["id"] == MODEL
+    assert httpx.get(c.url + "/llm/openapi.json").json()["servers"] == [{"url": "/llm"}]
+    assert "/llm/openapi.json" in httpx.get(c.url + "/llm/docs").text
+    assert httpx.post(c.url + "/llmx/v1/completions", json=completion()).status_code == 404
     c.all_rpcs_ended()

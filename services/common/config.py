@@ -56,8 +56,16 @@ LOG_FLAGS = [
          choices=("auto", "console", "json")),
 ]
 
+LOG_REQUESTS_NAMES = (("enable-log-requests",), ("disable-log-requests",))  # vLLM's (on, off)
+
 # --- knobs shared by both workers ------------------------------------------------------------
 WORKER_FLAGS = [
+    Flag("log-requests", bool, True,
+         "a JSON line when a request arrives and one when it ends (prefill: 'prefill request' / 'prefill "
+         "done'; decode: 'decode request' / 'decode done'), at info; off, only what is not routine (a failed "
+         "room, an abort, a failed transfer, the watchdog's evictions) is logged, and the metrics count "
+         "every request either way.",
+         aliases=LOG_REQUESTS_NAMES[0], off_names=LOG_REQUESTS_NAMES[1]),
     Flag("model", str, "builtin", "Hugging Face model folder, or 'builtin' for the built-in tiny model"),
     Flag("device", str, "auto", "torch device: cpu, cuda:N, or auto (first GPU if any, else cpu)"),
     Flag("dtype", str, "auto", "float32, bfloat16, float16, or auto (float32 on cpu, bfloat16 on cuda)",
@@ -200,7 +208,7 @@ ROUTER_FLAGS = [
          "migrations) and one per attempt on a worker pair ('attempt'), both at info; off, the router keeps "
          "its other lines (a failed request, fail-overs, refusals by the workers, the pool's changes) and its "
          "metrics, and spends less CPU per request (docs/bench.md).",
-         aliases=("enable-log-requests",), off_names=("disable-log-requests",)),
+         aliases=LOG_REQUESTS_NAMES[0], off_names=LOG_REQUESTS_NAMES[1]),
     Flag("enable-force-include-usage", bool, False,
          "every streamed response ends with a usage chunk, as if the request had asked for one "
          "(stream_options.include_usage), as vLLM's flag: for proxies and billing that count tokens from "

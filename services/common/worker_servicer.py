@@ -29,8 +29,9 @@ class WorkerServicer(LaneServicerMixin):
 
     log: Any
 
-    def __init__(self, worker: Any):
+    def __init__(self, worker: Any, log_requests: bool = True):
         self.worker = worker
+        self.log_requests = log_requests  # --log-requests: a line as each request arrives and as it ends
 
     def load_fields(self) -> dict[str, Any]:
         """What this role adds to its LoadReply (its transfer side's epoch, at least)."""

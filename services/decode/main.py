@@ -49,7 +49,8 @@ async def serve(argv=None) -> None:
             agent=agent,
             rooms=lambda: len(worker.jobs),
             poller=ProgressPoller.attach(receiver),
-            add_servicers=lambda server: wpb_grpc.add_DecodeServicer_to_server(DecodeServicer(worker, args.keepalive_interval), server),
+            add_servicers=lambda server: wpb_grpc.add_DecodeServicer_to_server(
+                DecodeServicer(worker, args.keepalive_interval, args.log_requests), server),
             grpc_services=("pdmesh.v1.Decode",),
             loops={
                 "decode-prealloc": worker.admission.loop,

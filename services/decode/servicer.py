@@ -38,8 +38,8 @@ class DecodeServicer(WorkerServicer, wpb_grpc.DecodeServicer):
 
     worker: DecodeWorker
 
-    def __init__(self, worker: DecodeWorker, keepalive_interval: float = 1.0):
-        super().__init__(worker)
+    def __init__(self, worker: DecodeWorker, keepalive_interval: float = 1.0, log_requests: bool = True):
+        super().__init__(worker, log_requests)
         self.keepalive_interval = keepalive_interval
 
     async def Decode(self, request, context):
@@ -50,7 +50,8 @@ class DecodeServicer(WorkerServicer, wpb_grpc.DecodeServicer):
             job = await self.admit(
                 request, context, ids, pages_for=len(ids) + 1, check=lambda: _check_prefill_addr(request),
                 submit=lambda params: self.worker.submit(room, ids, params, request.prefill_addr, request.canary))
-            self.log.info("decode request", prompt_tokens=len(ids), prefill=request.prefill_addr or "colocated")
+            if self.log_requests:
+                self.log.info("decode request", prompt_tokens=len(ids), prefill=request.prefill_addr or "colocated")
             done = False
             held = None  # a failure taken from the queue behind tokens: it ends the stream next
             try:
@@ -89,7 +90,9 @@ class DecodeServicer(WorkerServicer, wpb_grpc.DecodeServicer):
                     yield chunk
                     if item.finish_reason:
                         done = True
-                        self.log.info("decode done", finish_reason=item.finish_reason, tokens=item.completion_tokens)
+                        if self.log_requests:
+                            self.log.info("decode done", finish_reason=item.finish_reason,
+                                          tokens=item.completion_tokens)
                         return
             finally:
                 if not done:

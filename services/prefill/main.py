@@ -42,7 +42,7 @@ async def serve(argv=None) -> None:
                            read_held_prefix=args.kv_read_held_prefix)
 
     def add_servicers(server):
-        wpb_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), server)
+        wpb_grpc.add_PrefillServicer_to_server(PrefillServicer(worker, args.log_requests), server)
         add_bootstrap_servicer(server, sender, forward_age=engine.forward_age)
 
     await run_worker(

@@ -27,7 +27,8 @@ class PrefillServicer(WorkerServicer, wpb_grpc.PrefillServicer):
             job = await self.admit(
                 request, context, ids, pages_for=len(ids),
                 submit=lambda params: self.worker.submit(room, ids, params, request.share_key, request.canary))
-            self.log.info("prefill request", prompt_tokens=len(ids))
+            if self.log_requests:
+                self.log.info("prefill request", prompt_tokens=len(ids))
             try:
                 result = await job.future
             except asyncio.CancelledError:
@@ -37,7 +38,9 @@ class PrefillServicer(WorkerServicer, wpb_grpc.PrefillServicer):
             except RoomFailed as e:
                 self.log.info("prefill failed", reason=e.reason, code=e.code)
                 await context.abort(getattr(grpc.StatusCode, e.code), f"room {room}: {e.reason}")
-            self.log.info("prefill done", kv_bytes=result.kv_bytes, kv_seconds=round(result.kv_transfer_seconds, 6))
+            if self.log_requests:
+                self.log.info("prefill done", kv_bytes=result.kv_bytes,
+                              kv_seconds=round(result.kv_transfer_seconds, 6))
             reply = wpb.PrefillReply(
                 room=room,
                 first_token=result.first_token,

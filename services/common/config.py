@@ -56,16 +56,20 @@ LOG_FLAGS = [
          choices=("auto", "console", "json")),
 ]
 
-LOG_REQUESTS_NAMES = (("enable-log-requests",), ("disable-log-requests",))  # vLLM's (on, off)
+
+def log_requests_flag(meaning: str) -> Flag:
+    """--log-requests, a service's routine lines per request, with vLLM's names for it."""
+    return Flag("log-requests", bool, True, meaning, aliases=("enable-log-requests",),
+                off_names=("disable-log-requests",))
+
 
 # --- knobs shared by both workers ------------------------------------------------------------
 WORKER_FLAGS = [
-    Flag("log-requests", bool, True,
-         "a JSON line when a request arrives and one when it ends (prefill: 'prefill request' / 'prefill "
-         "done'; decode: 'decode request' / 'decode done'), at info; off, only what is not routine (a failed "
-         "room, an abort, a failed transfer, the watchdog's evictions) is logged, and the metrics count "
-         "every request either way.",
-         aliases=LOG_REQUESTS_NAMES[0], off_names=LOG_REQUESTS_NAMES[1]),
+    log_requests_flag(
+        "a JSON line when a request arrives and one when it ends (prefill: 'prefill request' / 'prefill "
+        "done'; decode: 'decode request' / 'decode done'), at info; off, only what is not routine (a failed "
+        "room, an abort, a failed transfer, the watchdog's evictions) is logged, and the metrics count "
+        "every request either way."),
     Flag("model", str, "builtin", "Hugging Face model folder, or 'builtin' for the built-in tiny model"),
     Flag("device", str, "auto", "torch device: cpu, cuda:N, or auto (first GPU if any, else cpu)"),
     Flag("dtype", str, "auto", "float32, bfloat16, float16, or auto (float32 on cpu, bfloat16 on cuda)",
@@ -203,12 +207,11 @@ ROUTER_FLAGS = [
          "pd: prefill and decode workers, KV over NIXL; colocated: decode workers only, each computing "
          "the prompt itself (the baseline PD is measured against; --prefill is ignored)",
          choices=("pd", "colocated")),
-    Flag("log-requests", bool, True,
-         "a JSON line per request as it ends ('request done': status, tokens, TTFT, latency, attempts, "
-         "migrations) and one per attempt on a worker pair ('attempt'), both at info; off, the router keeps "
-         "its other lines (a failed request, fail-overs, refusals by the workers, the pool's changes) and its "
-         "metrics, and spends less CPU per request (docs/bench.md).",
-         aliases=LOG_REQUESTS_NAMES[0], off_names=LOG_REQUESTS_NAMES[1]),
+    log_requests_flag(
+        "a JSON line per request as it ends ('request done': status, tokens, TTFT, latency, attempts, "
+        "migrations) and one per attempt on a worker pair ('attempt'), both at info; off, the router keeps "
+        "its other lines (a failed request, fail-overs, refusals by the workers, the pool's changes) and its "
+        "metrics, and spends less CPU per request (docs/bench.md)."),
     Flag("enable-force-include-usage", bool, False,
          "every streamed response ends with a usage chunk, as if the request had asked for one "
          "(stream_options.include_usage), as vLLM's flag: for proxies and billing that count tokens from "

@@ -274,7 +274,8 @@ ROUTER_FLAGS = [
     Flag("max-header-bytes", int, 64 * 1024,
          "largest request line plus headers of one request, in bytes, and what a chunked body's framing "
          "and trailers may add to its content; past it the router answers 431 and closes the connection "
-         "(without a bound they are buffered whole, whatever their size)"),
+         "(without a bound they are buffered whole, whatever their size)",
+         aliases=("h11-max-incomplete-event-size",)),
     Flag("body-timeout", float, 30.0,
          "seconds a request body may take to arrive in full, counted from the end of its headers; past it "
          "408 and the connection is closed (no admission slot is held while a body arrives)"),

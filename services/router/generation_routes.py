@@ -107,8 +107,8 @@ def register(app: FastAPI, router) -> None:
         """Chat completion (JSON, or SSE with "stream": true)."""
         return await generate(router, request, "chat")
 
-    @app.post("/invocations", openapi_extra=openapi.request_body_one_of(openapi.ChatCompletionRequest,
-                                                                        openapi.CompletionRequest),
+    @app.post("/invocations", openapi_extra=openapi.request_body(openapi.ChatCompletionRequest,
+                                                                 openapi.CompletionRequest),
               responses=openapi.error_responses())
     async def invocations(request: Request) -> Response:
         """SageMaker's inference route (as vLLM's): a chat completion body ("messages") or a completion

@@ -281,20 +281,11 @@ def component_schemas(model_names: list[str]) -> dict[str, Any]:
     return schemas
 
 
-def request_body(model: type[BaseModel]) -> dict[str, Any]:
-    """`openapi_extra` for a route whose body is `model` (JSON)."""
-    return {
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
-        }
-    }
-
-
-def request_body_one_of(*models: type[BaseModel]) -> dict[str, Any]:
-    """`openapi_extra` for a route whose body is one of `models` (JSON)."""
+def request_body(*models: type[BaseModel]) -> dict[str, Any]:
+    """`openapi_extra` for a route whose body (JSON) is `models[0]`, or one of several `models`."""
     refs = [{"$ref": f"#/components/schemas/{m.__name__}"} for m in models]
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {"oneOf": refs}}}}}
+    schema = refs[0] if len(refs) == 1 else {"oneOf": refs}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 def error_responses() -> dict[int | str, dict[str, Any]]:

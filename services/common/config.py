@@ -141,7 +141,9 @@ PREFILL_FLAGS = [
     *WORKER_FLAGS,
     Flag("grpc-port", int, 50051, "gRPC port (Prefill, KVBootstrap, Health)"),
     Flag("http-port", int, 8081, "HTTP port (/metrics, /health)"),
-    Flag("chunked-prefill-size", int, 512, "token budget of one prefill forward; longer prompts are chunked"),
+    Flag("chunked-prefill-size", int, 512,
+         "token budget of one prefill forward (the prompts of one batch together); longer prompts are chunked",
+         aliases=("max-num-batched-tokens",)),
     Flag("bootstrap-timeout", float, 300.0, "seconds a request may wait in the bootstrap queue for decode to attach"),
     Flag("inflight-timeout", float, 60.0, "seconds a request may stay in the inflight queue (KV being sent)"),
     Flag("kv-read-timeout", float, 5.0,
@@ -157,7 +159,8 @@ DECODE_FLAGS = [
     Flag("chunked-prefill-size", int, 512,
          "token budget of one local prefill forward for colocated requests (router --mode colocated, or a "
          "PD router's conditional disaggregation, --local-prefill-max-tokens): "
-         "longer prompts are chunked between decode steps"),
+         "longer prompts are chunked between decode steps",
+         aliases=("max-num-batched-tokens",)),
     Flag("prealloc-timeout", float, 300.0, "seconds a request may wait in the prealloc queue for KV pages"),
     Flag("transfer-timeout", float, 60.0, "seconds from prefill's forward-done signal until the KV must have arrived"),
     Flag("heartbeat-interval", float, 2.0, "seconds between heartbeats to each prefill this worker waits on"),

@@ -3,7 +3,8 @@ turns it on (what a vLLM command line says), `--no-worker-lane` turns one off, a
 (`true`, `false`, `0`, `1`, `--flag=false`) still works, as do the env twins; the value given
 last wins, and a bad value is a usage error, not a traceback. The names a vLLM or SGLang command
 line uses for the same settings are taken too (--disable-log-requests, --enable-prefix-caching,
---disable-radix-cache, --max-num-seqs, --block-size, --h11-max-incomplete-event-size)."""
+--disable-radix-cache, --max-num-seqs, --block-size, --max-num-batched-tokens,
+--h11-max-incomplete-event-size)."""
 
 from __future__ import annotations
 
@@ -59,4 +60,7 @@ def test_vllm_and_sglang_names_of_worker_settings():
     prefill = parse_args("prefill", "test", PREFILL_FLAGS, ["--disable-radix-cache"])
     assert prefill.prefix_cache is False
     assert parse_args("prefill", "test", PREFILL_FLAGS, ["--enable-prefix-caching"]).prefix_cache is True
+    # vLLM's per-step token budget is the forward's chunk budget on either worker
+    for role, flags in (("prefill", PREFILL_FLAGS), ("decode", DECODE_FLAGS)):
+        assert parse_args(role, "test", flags, ["--max-num-batched-tokens", "2048"]).chunked_prefill_size == 2048
     assert router_args(["--h11-max-incomplete-event-size", "8192"]).max_header_bytes == 8192  # vLLM's name

@@ -35,8 +35,13 @@ log = get_logger("router")
 
 
 def client_request_id(request: Request) -> str | None:
-    """The caller's X-Request-Id header (vLLM's rule: it names the response and is echoed back)."""
-    return request.headers.get("x-request-id")
+    """The caller's X-Request-Id header (vLLM's rule: it names the response and is echoed back):
+    the first one, as `request.headers.get` finds it, read from the scope's list without building
+    Starlette's Headers for a header most requests leave out (ASGI servers lowercase the names)."""
+    for name, value in request.scope["headers"]:
+        if name == b"x-request-id":
+            return value.decode("latin-1")
+    return None
 
 
 async def generate(router, request: Request, kind: str, parse: Parser | None = None,

@@ -228,6 +228,12 @@ ROUTER_FLAGS = [
          "llama3_json (Llama 3.1+ JSON), auto (detected from the chat template) or none (tools only with "
          "tool_choice none)",
          choices=("auto", "none", "hermes", "llama3_json")),
+    Flag("reasoning-parser", str, "",
+         "tell a reasoning model's thinking (<think>...</think>) apart from its answer in chat replies, as "
+         "vLLM's flag: deepseek_r1 (the reply starts thinking; DeepSeek-R1, QwQ) or qwen3 (thinking when the "
+         "reply opens <think> or the prompt leaves one open; Qwen3); the thinking goes to message.reasoning "
+         "and reasoning_content; empty: replies are left whole",
+         choices=("", "deepseek_r1", "deepseek-r1", "qwen3")),
     Flag("api-key", str, "",
          "require 'Authorization: Bearer KEY' when set; several keys, comma-separated (or a JSON list), are "
          "each accepted, as vLLM's flag takes several: a rotation accepts the old key and the new one until "

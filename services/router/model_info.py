@@ -12,7 +12,7 @@ from services.common.config import RouterSettings
 from services.common.logging_setup import get_logger
 from services.common.model_name import served_name
 from services.common.tokenizer import BUILTIN_NAMES, BUILTIN_RANDOM, Tokenizer, resolve_model_path
-from services.router import model_controls
+from services.router import model_controls, reasoning
 from services.router.grammar_cost import GrammarCost
 from services.router.limits import RequestLimits
 from services.router.protocol import ModelInfo
@@ -80,5 +80,6 @@ def served_model(settings: RouterSettings, tokenizer: Tokenizer,
                      capacity=capacity, root=settings.model,
                      force_include_usage=settings.enable_force_include_usage,
                      tokens_as_ids=settings.return_tokens_as_token_ids,
+                     reasoning_parser=reasoning.parser_name(settings.reasoning_parser),
                      limits=RequestLimits(settings.max_grammar_bytes, settings.max_request_worker_bytes))
     return names, info

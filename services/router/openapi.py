@@ -191,6 +191,9 @@ class ChatCompletionRequest(_Sampling):
                                       description="vLLM extension: this request's own Jinja chat template")
     reasoning_effort: Literal[REASONING_EFFORTS] | None = Field(  # type: ignore[valid-type]
         None, description="Handed to the chat template (and enable_thinking), as vLLM does")
+    include_reasoning: bool | None = Field(
+        None, description="vLLM extension: false leaves the reasoning out of the reply (with --reasoning-parser; "
+                          "without one only true is accepted)")
 
 
 class InputTextPart(_Body):

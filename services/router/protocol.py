@@ -32,6 +32,7 @@ from services.router.prompts import (
     normalize_chat_messages,
     truncate,
 )
+from services.router.reasoning import PROMPT_TAIL_TOKENS, REQUEST_FIELDS, starts_inside
 from services.router.request_fields import refuse_unsupported
 from services.router.structured import structured_output_field
 from services.router.tools import parse_tools
@@ -78,6 +79,8 @@ class ModelInfo:
     # request says otherwise (--return-tokens-as-token-ids)
     force_include_usage: bool = False
     tokens_as_ids: bool = False
+    # --reasoning-parser: chat replies' thinking told apart from their content (services/router/reasoning.py)
+    reasoning_parser: str | None = None
 
 
 @dataclass
@@ -131,6 +134,12 @@ class GenerateSpec:
     # vLLM's stream_interval: a stream's events carry this many tokens each (the first and the last
     # go out at once); a non-streamed request ignores it
     stream_interval: int = 1
+    # a chat reply's reasoning told apart from its content (services/router/reasoning.py): the
+    # parser (None: off), whether the reply starts inside the reasoning, and vLLM's
+    # include_reasoning (false: the reasoning is left out of the reply)
+    reasoning_parser: str | None = None
+    reasoning_inside: bool = False
+    include_reasoning: bool = True
     # completions' max_tokens 0 with echo (vLLM's): the reply is the prompt alone; the workers still
     # sample one token (every room ends with one), which the reply leaves out
     echo_only: bool = False
@@ -383,7 +392,7 @@ def valid_request_id(value: str) -> bool:
 
 def _common(body: dict, info: ModelInfo, kind: str) -> dict[str, Any]:
     """The fields both routes share, as GenerateSpec keywords."""
-    refuse_unsupported(body, kind)
+    refuse_unsupported(body, kind, REQUEST_FIELDS if info.reasoning_parser and kind == "chat" else frozenset())
     _check_unsupported(body)
     kw: dict[str, Any] = {}
     _sampling(body, kw)
@@ -505,6 +514,16 @@ def parse_completion(body: Any, info: ModelInfo) -> GenerateSpec:
     return replace(specs[0], batch=tuple(specs))
 
 
+def _reasoning(body: dict, info: ModelInfo, ids: list[int], constrained: bool) -> dict[str, Any]:
+    """The chat reply's reasoning split (GenerateSpec's reasoning_* fields and include_reasoning)."""
+    if info.reasoning_parser is None:
+        return {}
+    tail = info.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+    return {"reasoning_parser": info.reasoning_parser,
+            "reasoning_inside": starts_inside(info.reasoning_parser, tail, constrained),
+            "include_reasoning": get_bool(body, "include_reasoning", True)}
+
+
 def completion_prompt(body: dict, tokenizer: Tokenizer) -> Prompt:
     """The one prompt of a request that must not be a batch (e.g. /tokenize)."""
     prompts = completion_prompts(body, tokenizer)
@@ -548,6 +567,7 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerateSpec:
     check_prompt_logprobs_size(len(ids), kw["prompt_logprobs"], "messages")
     echoed = echo_text(body, messages)
     return GenerateSpec(
+        **_reasoning(body, info, ids, kw["grammar"] is not None),
         kind="chat",
         model=model,
         prompt_ids=ids,

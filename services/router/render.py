@@ -26,6 +26,7 @@ from services.router.json_codec import dumps
 from services.router.orchestrator import Chunk
 from services.router.output import OutputText, TokenStrings
 from services.router.protocol import GenerateSpec
+from services.router.reasoning import ReasoningSplit, split_whole
 from services.router.sse import sse_event
 from services.router.tool_parsers import ToolFormat, get_format
 
@@ -81,6 +82,11 @@ class ResponseState:
             get_format(spec.tool_parser) if spec.kind == "chat" and spec.tool_parser else None)
         self.tool_stream = self.tool_format.stream() if self.tool_format and spec.stream else None
         self._tool_deltas: list[dict[str, Any]] = []  # for the next delta_chunk
+        # a streamed chat reply's reasoning, split from its content as the text comes; the body's
+        # is split whole (_message)
+        self.reasoning = (ReasoningSplit(spec.reasoning_inside)
+                          if spec.kind == "chat" and spec.reasoning_parser and spec.stream else None)
+        self._reasoning_text = ""  # for the next delta_chunk
         self._text_template: list[bytes] | None = None  # delta_event's event bytes around the text
         # vLLM's return_token_ids: every generated id (the one that stopped decode too, as counted
         # in usage), and those not yet sent in a stream
@@ -91,7 +97,8 @@ class ResponseState:
         self.prompt_lp: PromptLogprobs | None = None
         # nothing asked for but the text: feed_each's per-token path can skip what feed() checks
         self._plain = (spec.logprobs is None and not spec.return_token_ids and self.tool_stream is None
-                       and not spec.echo_only and not spec.echo and not spec.continuous_usage)
+                       and self.reasoning is None and not spec.echo_only and not spec.echo
+                       and not spec.continuous_usage)
 
     @property
     def prompt_tokens(self) -> int:
@@ -137,13 +144,15 @@ class ResponseState:
         if chunk.finish_reason and not self.out.stopped and not self.spec.echo_only:
             texts.append(self.out.finish())
             self.finish_reason = chunk.finish_reason
+        text = "".join(texts)
+        if self.reasoning is not None:
+            text = self._split_reasoning(text)
         if self._echo_pending:
-            texts.insert(0, self.spec.echo_text)
+            text = self.spec.echo_text + text
             self._echo_pending = False
             if self.spec.echo_logprobs:
                 entries[:0] = self._prompt_entries()
         self.entries += entries
-        text = "".join(texts)
         if self.tool_stream is not None:
             text, deltas = self.tool_stream.feed(text)
             if self.finished:
@@ -151,6 +160,17 @@ class ResponseState:
                 text, deltas = text + more, deltas + last
             self._tool_deltas += deltas
         return text, entries
+
+    def _split_reasoning(self, text: str) -> str:
+        """The content part of a piece of a streamed reply; its reasoning part waits for the next
+        delta_chunk (dropped when the request set include_reasoning false)."""
+        reasoning, content = self.reasoning.feed(text)
+        if self.finished:
+            more, last = self.reasoning.finish()
+            reasoning, content = reasoning + more, content + last
+        if self.spec.include_reasoning:
+            self._reasoning_text += reasoning
+        return content
 
     def feed_each(self, chunk: Chunk) -> Iterable[tuple[str, list[Entry], str | None]]:
         """As feed(), token by token: (text, entries, finish_reason after it) per token fed — exactly
@@ -362,9 +382,16 @@ class ResponseState:
 
     def _message(self) -> tuple[dict[str, Any], str | None]:
         message: dict[str, Any] = {"role": "assistant", "content": self.text, "refusal": None}
+        if self.spec.reasoning_parser is not None:
+            reasoning, content = split_whole(self.out.text, self.spec.reasoning_inside)
+            if self.spec.echo:
+                content = self.spec.echo_text + (content or "")
+            message["content"] = content
+            # vLLM's name, and the older one DeepSeek's API and many clients read
+            message["reasoning"] = message["reasoning_content"] = reasoning if self.spec.include_reasoning else None
         if self.tool_format is None:
             return message, self.finish_reason
-        parsed = self.tool_format.parse(self.text)
+        parsed = self.tool_format.parse(message["content"] or "")
         if parsed.calls:
             message["content"] = parsed.content
             message["tool_calls"] = [call.to_openai() for call in parsed.calls]
@@ -463,7 +490,8 @@ class ResponseState:
         """The SSE payload for new text/logprobs/tool-call deltas (None when there is nothing to say)."""
         calls = _merge_tool_deltas(self._tool_deltas)
         self._tool_deltas = []
-        if not text and not entries and finish_reason is None and not calls:
+        reasoning, self._reasoning_text = self._reasoning_text, ""
+        if not text and not entries and finish_reason is None and not calls and not reasoning:
             return None  # ids of held-back text go out with the next chunk
         ids, self._pending_ids = self._pending_ids, []
         if self.spec.kind == "completion":
@@ -480,7 +508,9 @@ class ResponseState:
                     self._prompt_ids_sent = True
                 choice["token_ids"] = ids
         else:
-            delta: dict[str, Any] = {"content": text} if text or (finish_reason is None and not calls) else {}
+            delta: dict[str, Any] = {"reasoning": reasoning, "reasoning_content": reasoning} if reasoning else {}
+            if text or (finish_reason is None and not calls and not reasoning):
+                delta["content"] = text
             if calls:
                 delta["tool_calls"] = calls
             if self.tool_stream is not None:
@@ -500,8 +530,8 @@ class ResponseState:
     def delta_event(self, text: str, entries, finish_reason: str | None) -> bytes | None:
         """delta_chunk() as an SSE event, byte for byte; plain text (no logprobs, not the last
         event) fills a template made once per choice instead of building and encoding the object."""
-        if (entries or finish_reason is not None or self._tool_deltas or self.spec.continuous_usage
-                or self.spec.return_token_ids):
+        if (entries or finish_reason is not None or self._tool_deltas or self._reasoning_text
+                or self.spec.continuous_usage or self.spec.return_token_ids):
             payload = self.delta_chunk(text, entries, finish_reason)
             return None if payload is None else sse_event(payload)
         if not text:

@@ -69,10 +69,12 @@ INFORMATIONAL = frozenset({"user", "metadata", "store", "session_id", "safety_id
                            "prompt_cache_key", "service_tier"})
 
 
-def refuse_unsupported(body: dict, kind: str) -> None:
-    """A 400 naming the first refused field that holds anything but its default."""
+def refuse_unsupported(body: dict, kind: str, served: frozenset[str] = frozenset()) -> None:
+    """A 400 naming the first refused field that holds anything but its default; `served`: fields
+    of this list that the router's configuration implements (include_reasoning with a reasoning
+    parser)."""
     for name, rule in REFUSED.items():
-        if kind in rule.kinds and name in body and not _is_default(body[name], rule.defaults):
+        if kind in rule.kinds and name in body and name not in served and not _is_default(body[name], rule.defaults):
             raise bad_request(f"'{name}' is not supported: {rule.reason}.", param=name, code="unsupported_value")
 
 

@@ -1,8 +1,9 @@
 """The Response object of OpenAI's Responses API, built from the chat completion that served it.
 
-One chat choice becomes the `output` list: a `message` item holding the reply's text as one
-`output_text` part (when there is text, or nothing else), then one `function_call` item per tool
-call. A reply cut by max_tokens is `incomplete` with reason `max_output_tokens`. `output_text`
+One chat choice becomes the `output` list: a `reasoning` item holding the reply's reasoning as
+one `reasoning_text` part (with --reasoning-parser, when the reply has one), a `message` item
+holding the reply's text as one `output_text` part (when there is text, or nothing else), then one
+`function_call` item per tool call. A reply cut by max_tokens is `incomplete` with reason `max_output_tokens`. `output_text`
 is left to the SDK, which derives it from `output`, as OpenAI's server does.
 """
 
@@ -30,7 +31,8 @@ def usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
         "input_tokens_details": {"cached_tokens": (chat_usage.get("prompt_tokens_details") or {})
                                  .get("cached_tokens", 0)},
         "output_tokens": chat_usage["completion_tokens"],
-        "output_tokens_details": {"reasoning_tokens": 0},  # no reasoning parser: none is told apart
+        # the reasoning's tokens are not counted apart from the answer's (--reasoning-parser splits text)
+        "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": chat_usage["total_tokens"],
     }
 
@@ -38,6 +40,20 @@ def usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
 def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     return {"id": item_id, "type": "message", "status": status, "role": "assistant",
             "content": [text_part(text)]}
+
+
+def reasoning_item_id(rid: str) -> str:
+    return "rs_" + rid[len("resp_"):]
+
+
+def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """A reply's reasoning (--reasoning-parser): its text whole, as one reasoning_text part."""
+    return {"id": item_id, "type": "reasoning", "status": status, "summary": [],
+            "content": [reasoning_part(text)], "encrypted_content": None}
+
+
+def reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
 
 
 def text_part(text: str) -> dict[str, Any]:
@@ -76,6 +92,9 @@ def from_chat(chat: dict[str, Any], echo: dict[str, Any]) -> dict[str, Any]:
     status = "incomplete" if choice["finish_reason"] == "length" else "completed"
     calls = message.get("tool_calls") or []
     output = []
+    if message.get("reasoning") is not None:
+        reasoning_status = "incomplete" if status == "incomplete" and message.get("content") is None else "completed"
+        output.append(reasoning_item(reasoning_item_id(rid), message["reasoning"], reasoning_status))
     if message.get("content") or not calls:
         output.append(message_item(msg_id, message.get("content") or "", status))
     for i, call in enumerate(calls):

@@ -144,7 +144,9 @@ def _messages(body: dict) -> list[dict[str, Any]]:
     for where, item in each_object(items, "input", "an input item object"):
         kind = item.get("type", "message")
         if kind == "message":
-            out.append(_message(item, where))
+            _add_message(_message(item, where), out)
+        elif kind == "reasoning":
+            out.append({"role": "assistant", "content": None, "reasoning_content": _reasoning_text(item, where)})
         elif kind == "function_call":
             _function_call(item, where, out)
         elif kind == "function_call_output":
@@ -154,8 +156,9 @@ def _messages(body: dict) -> list[dict[str, Any]]:
             raise bad_request(f"'{where}': item references need stored items, and this server stores none; "
                               "send the item itself.", param=f"{where}.type", code="unsupported_value")
         else:
-            raise bad_request(f"Input items of type {kind!r} are not supported; only 'message', 'function_call' "
-                              "and 'function_call_output' are.", param=f"{where}.type", code="unsupported_value")
+            raise bad_request(f"Input items of type {kind!r} are not supported; only 'message', 'reasoning', "
+                              "'function_call' and 'function_call_output' are.", param=f"{where}.type",
+                              code="unsupported_value")
     return out
 
 
@@ -189,6 +192,34 @@ def _message(item: dict, where: str) -> dict[str, Any]:
             raise bad_request(f"Content part type {kind!r} is not supported: this model takes text only "
                               f"({', '.join(TEXT_PARTS)}).", param=f"{at}.type", code="unsupported_value")
     return {"role": role, "content": "".join(texts)}
+
+
+def _add_message(message: dict[str, Any], out: list[dict[str, Any]]) -> None:
+    """An assistant message right after that reply's reasoning item joins it: one chat message."""
+    last = out[-1] if out else None
+    if (message["role"] == "assistant" and last is not None and last["role"] == "assistant"
+            and last["content"] is None and "reasoning_content" in last and "tool_calls" not in last):
+        last["content"] = message["content"]
+    else:
+        out.append(message)
+
+
+def _reasoning_text(item: dict, where: str) -> str:
+    """An earlier reply's reasoning item, as given back: its reasoning_text parts (a summary,
+    which this server never writes, is not the reasoning and is left out)."""
+    if item.get("encrypted_content") is not None:
+        raise bad_request(f"'{where}.encrypted_content' is not supported: this server never encrypts reasoning; "
+                          "send its content.", param=f"{where}.encrypted_content", code="unsupported_value")
+    content = item.get("content") or []
+    if not isinstance(content, list):
+        raise invalid_type(f"{where}.content", "an array of reasoning_text parts", content)
+    texts = []
+    for at, part in each_object(content, f"{where}.content", "a content part object"):
+        if part.get("type") != "reasoning_text":
+            raise bad_request(f"Reasoning content part type {part.get('type')!r} is not supported; only "
+                              "'reasoning_text' is.", param=f"{at}.type", code="unsupported_value")
+        texts.append(_string(part, "text", at))
+    return "".join(texts)
 
 
 def _function_call(item: dict, where: str, out: list[dict[str, Any]]) -> None:

@@ -6,6 +6,9 @@ asked for), or an error event mid-stream. `EventStream.feed(chunk)` turns each c
 events OpenAI sends, in its order:
 
   response.created, response.in_progress
+  per reasoning:   response.output_item.added, response.content_part.added,
+                   response.reasoning_text.delta (one per chat delta), response.reasoning_text.done,
+                   response.content_part.done, response.output_item.done (--reasoning-parser)
   per text reply:  response.output_item.added, response.content_part.added,
                    response.output_text.delta (one per chat delta), response.output_text.done,
                    response.content_part.done, response.output_item.done
@@ -66,6 +69,8 @@ class EventStream:
             self.usage = chunk["usage"]
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
+            if delta.get("reasoning"):
+                events += self._reasoning(delta["reasoning"])
             if delta.get("content"):
                 events += self._text(delta["content"])
             for call in delta.get("tool_calls") or []:
@@ -93,6 +98,22 @@ class EventStream:
         self.open["content"][0]["text"] += text
         events.append(self._event("response.output_text.delta", item_id=self.open["id"],
                                   output_index=len(self.items) - 1, content_index=0, delta=text, logprobs=[]))
+        return events
+
+    def _reasoning(self, text: str) -> list[bytes]:
+        events = []
+        if self.open is None or self.open["type"] != "reasoning":
+            events += self._close()
+            item = out.reasoning_item(out.reasoning_item_id(self.rid), "", "in_progress")
+            item["content"] = []
+            events += self._add(item)
+            part = out.reasoning_part("")
+            item["content"].append(part)
+            events.append(self._event("response.content_part.added", item_id=item["id"],
+                                      output_index=len(self.items) - 1, content_index=0, part=part))
+        self.open["content"][0]["text"] += text
+        events.append(self._event("response.reasoning_text.delta", item_id=self.open["id"],
+                                  output_index=len(self.items) - 1, content_index=0, delta=text))
         return events
 
     def _call(self, call: dict[str, Any]) -> list[bytes]:
@@ -125,10 +146,14 @@ class EventStream:
         index = self.items.index(item)
         events = []
         item["status"] = status
-        if item["type"] == "message":
+        if item["type"] in ("message", "reasoning"):
             part = item["content"][0]
-            events.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                      content_index=0, text=part["text"], logprobs=[]))
+            if item["type"] == "message":
+                events.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
+                                          content_index=0, text=part["text"], logprobs=[]))
+            else:
+                events.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                          content_index=0, text=part["text"]))
             events.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
                                       content_index=0, part=part))
         else:

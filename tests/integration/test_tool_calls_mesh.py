@@ -19,10 +19,12 @@ the random model writes noise and they fail, by design, rather than skip.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from services.common.tokenizer import load_tokenizer
+from services.router.tools import marker_term
 from tests.integration.mesh import mesh_with_router
 
 openai = pytest.importorskip("openai")
@@ -67,13 +69,21 @@ def mesh(tmp_path_factory):
     folder = save_tiny_qwen2_tools(tmp_path_factory.mktemp("ckpt") / "tiny-qwen2-tools")
     model = ("--model", str(folder))
     with mesh_with_router(tmp_path_factory.mktemp("tools-mesh"), 1, 1, model, model,
-                          (*model, "--request-timeout", "60")) as (m, _, _, r):
-        yield m, r, folder
+                          (*model, "--request-timeout", "60")) as (m, ps, ds, r):
+        yield m, r, folder, ps, ds
+
+
+@pytest.fixture(scope="module")
+def thinking(mesh):
+    """A second router on the same workers, telling Qwen3-style <think>...</think> apart."""
+    m, _, folder, ps, ds = mesh
+    r = m.start_router(ps, ds, "--model", str(folder), "--request-timeout", "60", "--reasoning-parser", "qwen3")
+    return openai.OpenAI(base_url=r.http_url + "/v1", api_key="unused", max_retries=0, timeout=90)
 
 
 @pytest.fixture(scope="module")
 def client(mesh):
-    _, r, _ = mesh
+    r = mesh[1]
     return openai.OpenAI(base_url=r.http_url + "/v1", api_key="unused", max_retries=0, timeout=90)
 
 
@@ -172,7 +182,7 @@ def test_n2_and_a_stop_string_with_a_forced_call(client, model):
 
 
 def test_auto_and_none_render_the_tools(mesh, client, model):
-    _, _, folder = mesh
+    folder = mesh[2]
     tok = load_tokenizer(str(folder))
     with_tools = len(tok.encode_chat(MESSAGES, tools=TOOLS))
     assert with_tools > len(tok.encode_chat(MESSAGES)) + 50
@@ -198,7 +208,7 @@ def test_auto_and_none_render_the_tools(mesh, client, model):
 
 
 def test_conversation_with_tool_results(mesh, client, model):
-    _, _, folder = mesh
+    folder = mesh[2]
     messages = [
         *MESSAGES,
         {"role": "assistant", "content": None, "tool_calls": [
@@ -229,6 +239,57 @@ def test_bad_tool_requests_are_400(client, model):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, **kw)
         assert e.value.status_code == 400
+
+
+# A random model never thinks by itself: a regex grammar makes it write a thought, then an answer
+# (under a grammar the reply starts as content, and its leading <think> opens the reasoning).
+THOUGHT = {"structured_outputs": {"regex": "<think>[a-z ]{3,24}</think>[a-z ]{3,24}"}}
+
+
+def test_reasoning_is_told_apart(thinking, client, model):
+    kw = dict(model=model, messages=MESSAGES, max_tokens=80, seed=5, temperature=1.0, extra_body=THOUGHT)
+    msg = thinking.chat.completions.create(**kw).choices[0].message
+    extra = msg.model_extra
+    assert extra["reasoning"] == extra["reasoning_content"] and re.fullmatch("[a-z ]{3,24}", extra["reasoning"])
+    assert re.fullmatch("[a-z ]{3,24}", msg.content), msg.content
+    # the router without a parser answers the same text whole; no reasoning field
+    whole = client.chat.completions.create(**kw).choices[0].message
+    assert whole.content == f"<think>{extra['reasoning']}</think>{msg.content}"
+    assert "reasoning" not in (whole.model_extra or {})
+    # streamed: the thinking's deltas first, then the answer's, adding up to the same
+    chunks = list(thinking.chat.completions.create(**kw, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning") or "" for d in deltas) == extra["reasoning"]
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == extra["reasoning"]
+    assert "".join(d.content or "" for d in deltas) == msg.content
+    # include_reasoning false: the answer alone
+    quiet = thinking.chat.completions.create(**{**kw, "extra_body": {**THOUGHT, "include_reasoning": False}})
+    assert quiet.choices[0].message.content == msg.content
+    assert quiet.choices[0].message.model_extra.get("reasoning") is None
+    # a reply that does not think is all content
+    plain = thinking.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, seed=5)
+    assert plain.choices[0].message.model_extra.get("reasoning") is None
+    assert plain.choices[0].message.content
+
+
+def test_tool_calls_after_the_thinking(mesh, thinking, model):
+    # the call's markers are tokens of their own, which a grammar names by id
+    marker = marker_term(load_tokenizer(str(mesh[2])))
+    head, tail = json.dumps('\n{"name": "search", "arguments": {"query": "'), json.dumps('"}}\n')
+    grammar = (f'start: "<think>" /[a-z ]{{3,24}}/ "</think>" {marker("<tool_call>")} {head} /[a-z]{{1,8}}/ {tail} '
+               f'{marker("</tool_call>")}')
+    kw = dict(model=model, messages=MESSAGES, tools=TOOLS, max_tokens=100, seed=7, temperature=1.0,
+              extra_body={"structured_outputs": {"grammar": grammar}})
+    choice = thinking.chat.completions.create(**kw).choices[0]
+    assert re.fullmatch("[a-z ]{3,24}", choice.message.model_extra["reasoning"])
+    assert choice.message.tool_calls, (choice.message, choice.finish_reason)
+    assert [c.function.name for c in choice.message.tool_calls] == ["search"]
+    assert_valid_call(choice.message.tool_calls[0], names=("search",))
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    chunks = list(thinking.chat.completions.create(**kw, stream=True))
+    calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert calls and calls[0].function.name == "search"
+    assert "".join(c.function.arguments or "" for c in calls) == choice.message.tool_calls[0].function.arguments
 
 
 def test_mesh_is_clean_afterwards(mesh):

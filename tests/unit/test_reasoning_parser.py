@@ -1,0 +1,243 @@
+"""--reasoning-parser: a reply's <think>...</think> told apart from its answer — the split itself
+(fed whole and in every cut), where a reply starts for each parser, and the chat reply's body and
+SSE deltas built by ResponseState (reasoning, reasoning_content, content, tool calls after the
+thinking, include_reasoning false)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.common.builtin_tokenizer import BuiltinTokenizer
+from services.common.config import ROUTER_FLAGS
+from services.router import responses_output
+from services.router.errors import APIError
+from services.router.orchestrator import Chunk
+from services.router.output import TokenStrings
+from services.router.protocol import ModelInfo, parse_chat
+from services.router.reasoning import FLAG_CHOICES, ReasoningSplit, parser_name, split_whole, starts_inside
+from services.router.render import ResponseState
+from services.router.responses_request import translate
+from services.router.responses_stream import EventStream
+
+CASES = [
+    # (text, starts inside, reasoning, content)
+    ("<think>\nweigh it\n</think>\n\nThe answer.", False, "\nweigh it\n", "\n\nThe answer."),
+    ("  <think>a</think>b", False, "a", "b"),
+    ("Just an answer.", False, None, "Just an answer."),
+    ("An answer with <think> inside </think> it.", False, None, "An answer with <think> inside </think> it."),
+    ("<think>cut off mid-thought", False, "cut off mid-thought", None),
+    ("<think>only thinking</think>", False, "only thinking", None),
+    ("thinking, no tag</think>answer", True, "thinking, no tag", "answer"),
+    ("<think>tag again</think>answer", True, "tag again", "answer"),
+    ("never stopped thinking", True, "never stopped thinking", None),
+    ("a < b and </thin is not a tag</think>ok", True, "a < b and </thin is not a tag", "ok"),
+    ("", True, "", None),
+    ("", False, None, ""),
+    ("<thi", False, None, "<thi"),
+    ("</thi", True, "</thi", None),
+]
+
+
+@pytest.mark.parametrize(("text", "inside", "reasoning", "content"), CASES)
+def test_whole_replies_split(text, inside, reasoning, content):
+    assert split_whole(text, inside) == (reasoning, content)
+
+
+@pytest.mark.parametrize(("text", "inside", "reasoning", "content"), CASES)
+def test_every_two_and_three_way_cut_splits_as_the_whole(text, inside, reasoning, content):
+    cuts = [(i, j) for i in range(len(text) + 1) for j in range(i, len(text) + 1)]
+    for i, j in cuts:
+        split = ReasoningSplit(inside)
+        parts = [split.feed(p) for p in (text[:i], text[i:j], text[j:])] + [split.finish()]
+        got_r = "".join(r for r, _ in parts)
+        got_c = "".join(c for _, c in parts)
+        assert got_r == (reasoning or ""), (i, j)
+        assert got_c == (content or ""), (i, j)
+
+
+def test_where_a_reply_starts():
+    assert starts_inside("deepseek_r1", "<|Assistant|>", constrained=False)
+    assert starts_inside("qwen3", "<|im_start|>assistant\n<think>\n", constrained=False)
+    # Qwen3 with enable_thinking false: an empty thought closed in the prompt
+    assert not starts_inside("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n", constrained=False)
+    assert not starts_inside("qwen3", "<|im_start|>assistant\n", constrained=False)
+    # a grammar holds from the first token: no room to think first
+    assert not starts_inside("deepseek_r1", "<|Assistant|><think>\n", constrained=True)
+
+
+def test_flag_values():
+    assert parser_name("") is None
+    assert parser_name("deepseek-r1") == "deepseek_r1"
+    assert parser_name("qwen3") == "qwen3"
+    with pytest.raises(ValueError):
+        parser_name("granite")
+    flag = next(f for f in ROUTER_FLAGS if f.name == "reasoning-parser")
+    assert set(flag.choices) == set(FLAG_CHOICES)
+
+
+# --- the chat reply -------------------------------------------------------------------------------
+
+TOK = BuiltinTokenizer()
+STRINGS = TokenStrings(TOK)
+
+
+def info(parser: str | None) -> ModelInfo:
+    return ModelInfo(name="m", tokenizer=TOK, context_length=2048, reasoning_parser=parser)
+
+
+def spec(parser: str | None = "qwen3", **kw):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, **kw}
+    return parse_chat(body, info(parser))
+
+
+def ids(text: str) -> list[int]:
+    return TOK.encode(text, add_special_tokens=False)
+
+
+def body_of(s, text: str) -> dict:
+    state = ResponseState(s, TOK, STRINGS, "r1")
+    state.feed(Chunk(ids(text), [], "length"))
+    return state.body()
+
+
+def stream_of(s, text: str, per_chunk: int = 1) -> list[dict]:
+    """Every delta of the stream, decode's tokens coming per_chunk at a time."""
+    state = ResponseState(s, TOK, STRINGS, "r1")
+    tokens, out = ids(text), []
+    for i in range(0, len(tokens), per_chunk):
+        part = tokens[i : i + per_chunk]
+        last = i + per_chunk >= len(tokens)
+        for step in state.feed_each(Chunk(part, [], "length" if last else "")):
+            payload = state.delta_chunk(*step)
+            if payload is not None:
+                out.append(payload["choices"][0]["delta"])
+    return out
+
+
+REPLY = "<think>Two and two.</think>Four."
+
+
+def test_body_carries_reasoning_under_both_names():
+    message = body_of(spec(), REPLY)["choices"][0]["message"]
+    assert message["content"] == "Four."
+    assert message["reasoning"] == message["reasoning_content"] == "Two and two."
+
+
+def test_no_parser_leaves_the_reply_whole():
+    message = body_of(spec(None), REPLY)["choices"][0]["message"]
+    assert message["content"] == REPLY
+    assert "reasoning" not in message and "reasoning_content" not in message
+
+
+def test_include_reasoning_false_leaves_it_out():
+    message = body_of(spec(include_reasoning=False), REPLY)["choices"][0]["message"]
+    assert message["content"] == "Four."
+    assert message["reasoning"] is None and message["reasoning_content"] is None
+    deltas = stream_of(spec(include_reasoning=False, stream=True), REPLY)
+    assert not any("reasoning" in d for d in deltas)
+    assert "".join(d.get("content", "") for d in deltas) == "Four."
+
+
+def test_include_reasoning_false_needs_a_parser():
+    with pytest.raises(APIError) as e:
+        spec(None, include_reasoning=False)
+    assert e.value.status == 400 and e.value.param == "include_reasoning"
+    with pytest.raises(APIError):
+        spec(include_reasoning="no")
+
+
+@pytest.mark.parametrize("per_chunk", [1, 3, 100])
+def test_stream_deltas_add_up_to_the_body(per_chunk):
+    deltas = stream_of(spec(stream=True), REPLY, per_chunk)
+    assert "".join(d.get("reasoning", "") for d in deltas) == "Two and two."
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Two and two."
+    assert "".join(d.get("content", "") for d in deltas) == "Four."
+    # the thinking comes first, never mixed into content, and no tag reaches the client
+    first_content = next(i for i, d in enumerate(deltas) if d.get("content"))
+    assert not any(d.get("reasoning") for d in deltas[first_content + 1 :])
+    assert all("<" not in d.get("content", "") + d.get("reasoning", "") for d in deltas)
+
+
+def test_deepseek_r1_reply_that_never_closes_is_reasoning():
+    message = body_of(spec("deepseek_r1"), "thinking until the end")["choices"][0]["message"]
+    assert message["reasoning"] == "thinking until the end" and message["content"] is None
+
+
+def test_a_grammar_reply_is_content():
+    s = spec("deepseek_r1", response_format={"type": "json_object"})
+    assert not s.reasoning_inside
+    message = body_of(s, '{"a": 1}')["choices"][0]["message"]
+    assert message["content"] == '{"a": 1}' and message["reasoning"] is None
+
+
+def test_prompt_left_open_starts_inside():
+    # an assistant turn continued mid-thought
+    s = spec(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>so far"}],
+             add_generation_prompt=False, continue_final_message=True)
+    assert s.reasoning_inside
+    assert body_of(s, " more</think>done")["choices"][0]["message"]["content"] == "done"
+
+
+def test_tool_calls_are_looked_for_after_the_thinking():
+    s = spec()
+    s.tool_parser = "hermes"  # as a request with tools on a Hermes-format template sets it
+    call = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+    state = ResponseState(s, TOK, STRINGS, "r1")
+    state.feed(Chunk(ids("<think>I should call f.</think>" + call), [], "length"))
+    choice = state.body()["choices"][0]
+    assert choice["message"]["reasoning"] == "I should call f."
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["f"]
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"x": 1}
+
+
+# --- the Responses API ----------------------------------------------------------------------------
+
+
+def test_responses_body_has_a_reasoning_item_first():
+    chat = body_of(spec(), REPLY)
+    resp = responses_output.from_chat(chat, {})
+    assert [i["type"] for i in resp["output"]] == ["reasoning", "message"]
+    assert resp["output"][0]["content"] == [{"type": "reasoning_text", "text": "Two and two."}]
+    assert resp["output"][0]["id"].startswith("rs_")
+    assert resp["output"][1]["content"][0]["text"] == "Four."
+    plain = responses_output.from_chat(body_of(spec(None), REPLY), {})
+    assert [i["type"] for i in plain["output"]] == ["message"]
+
+
+def test_responses_stream_has_reasoning_events_then_text():
+    state = ResponseState(spec(stream=True), TOK, STRINGS, "r1")
+    stream = EventStream({})
+    events = []
+    for step in state.feed_each(Chunk(ids(REPLY), [], "length")):
+        payload = state.delta_chunk(*step)
+        if payload is not None:
+            events += stream.feed(payload)
+    events += stream.finish()
+    parsed = [json.loads(e.split(b"data: ", 1)[1]) for e in events]
+    kinds = [p["type"] for p in parsed]
+    reasoning = "".join(p["delta"] for p in parsed if p["type"] == "response.reasoning_text.delta")
+    text = "".join(p["delta"] for p in parsed if p["type"] == "response.output_text.delta")
+    assert reasoning == "Two and two." and text == "Four."
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    final = parsed[-1]["response"]
+    assert [i["type"] for i in final["output"]] == ["reasoning", "message"]
+    assert final["output"][0]["content"][0]["text"] == "Two and two."
+
+
+def test_a_reasoning_item_given_back_joins_its_message():
+    req = translate({"model": "m", "input": [
+        {"role": "user", "content": "2+2?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "add"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "4"}]},
+        {"role": "user", "content": "and 3+3?"},
+    ]})
+    assert req.chat["messages"] == [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4", "reasoning_content": "add"},
+        {"role": "user", "content": "and 3+3?"},
+    ]
+    with pytest.raises(APIError) as e:
+        translate({"model": "m", "input": [{"type": "reasoning", "summary": [], "encrypted_content": "x"}]})
+    assert e.value.param == "input[0].encrypted_content"

@@ -2,9 +2,10 @@
 
 One chat choice becomes the `output` list: a `reasoning` item holding the reply's reasoning as
 one `reasoning_text` part (with --reasoning-parser, when the reply has one), a `message` item
-holding the reply's text as one `output_text` part (when there is text, or nothing else), then one
-`function_call` item per tool call. A reply cut by max_tokens is `incomplete` with reason `max_output_tokens`. `output_text`
-is left to the SDK, which derives it from `output`, as OpenAI's server does.
+holding the reply's text as one `output_text` part (when there is text, or no other item), then
+one `function_call` item per tool call. A reply cut by max_tokens is `incomplete` with reason
+`max_output_tokens`. `output_text` is left to the SDK, which derives it from `output`, as OpenAI's
+server does.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def from_chat(chat: dict[str, Any], echo: dict[str, Any]) -> dict[str, Any]:
     if message.get("reasoning") is not None:
         reasoning_status = "incomplete" if status == "incomplete" and message.get("content") is None else "completed"
         output.append(reasoning_item(reasoning_item_id(rid), message["reasoning"], reasoning_status))
-    if message.get("content") or not calls:
+    if message.get("content") or not (calls or message.get("reasoning") is not None):
         output.append(message_item(msg_id, message.get("content") or "", status))
     for i, call in enumerate(calls):
         fn = call["function"]

@@ -202,6 +202,9 @@ def test_responses_body_has_a_reasoning_item_first():
     assert resp["output"][0]["content"] == [{"type": "reasoning_text", "text": "Two and two."}]
     assert resp["output"][0]["id"].startswith("rs_")
     assert resp["output"][1]["content"][0]["text"] == "Four."
+    # cut while thinking: the reasoning alone, incomplete, as OpenAI answers it
+    cut = responses_output.from_chat(body_of(spec(), "<think>still going"), {})
+    assert [(i["type"], i["status"]) for i in cut["output"]] == [("reasoning", "incomplete")]
     plain = responses_output.from_chat(body_of(spec(None), REPLY), {})
     assert [i["type"] for i in plain["output"]] == ["message"]
 

@@ -184,6 +184,10 @@ ROUTER_FLAGS = [
     Flag("generation-config", str, "auto",
          "auto: the model folder's generation_config.json sampling defaults apply to requests that do not "
          "set them (vLLM's rule); vllm: none; or a folder holding a generation_config.json"),
+    Flag("override-generation-config", str, "",
+         "a JSON object of sampling defaults that sets or replaces --generation-config's, as vLLM's flag: "
+         "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens (the default max_tokens); "
+         "e.g. '{\"temperature\": 0.6, \"top_p\": 0.95}'. A request's own value still wins"),
     Flag("prefill", str, [], "prefill worker host:port (repeatable)", repeatable=True),
     Flag("decode", str, [], "decode worker host:port (repeatable)", repeatable=True),
     Flag("policy", str, "cache_aware",

@@ -102,8 +102,8 @@ def main(argv=None) -> None:
         sockets = [listening_socket(args.host, args.port, reuse_port=True)]
     try:
         app = create_app(settings)
-    except (ValueError, OSError) as e:  # the tokenizer or chat template the settings name
-        log.error(f"cannot load the model's tokenizer or chat template: {e}", error=type(e).__name__)
+    except (ValueError, OSError) as e:  # the tokenizer, chat template or generation defaults the settings name
+        log.error(f"cannot set up the served model: {e}", error=type(e).__name__)
         sys.exit(EXIT_CONFIG)
     soft, hard = raise_soft_limit(args.max_connections + RESERVED)
     max_connections = connections_within(args.max_connections, soft)

@@ -1,5 +1,5 @@
 """The served model's controls with vLLM's names: --served-model-name (several), --max-model-len,
---chat-template, --generation-config. Read once at start; pure apart from reading the model folder.
+--chat-template, --generation-config, --override-generation-config. Read once at start; pure apart from reading the model folder.
 """
 
 from __future__ import annotations
@@ -8,10 +8,18 @@ import json
 from pathlib import Path
 from typing import Any
 
+from services.common.sampling_params import api_fields
 from services.common.tokenizer import BUILTIN_RANDOM, GENERATION_CONFIG_FILE, resolve_model_path
 from services.router.protocol import GENERATION_DEFAULTS
 
 GENERATION_CONFIG_CHOICES = ("auto", "vllm")  # or a folder holding generation_config.json
+# --override-generation-config: each key's (least, most, whole numbers only): the range a request's
+# own field is held to, so that an override never turns every request leaving the field out into a 400
+_API = {name: (api, isinstance(default, int)) for name, default, api in api_fields()}
+OVERRIDE_RANGES: dict[str, tuple[float, float, bool]] = {
+    key: (_API[field][0].lo, _API[field][0].hi if _API[field][0].hi is not None else 1 << 31, _API[field][1])
+    for key, field in GENERATION_DEFAULTS.items() if field in _API}
+OVERRIDE_RANGES["max_new_tokens"] = (1, 1 << 31, True)
 
 
 def served_names(model: str, explicit: list[str] | str, default_name: str) -> list[str]:
@@ -70,4 +78,32 @@ def generation_defaults(model: str, flag: str = "auto") -> dict[str, Any]:
         value = cfg.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             out[field] = value
+    return out
+
+
+def generation_overrides(flag: str) -> dict[str, Any]:
+    """vLLM's --override-generation-config: a JSON object of generation_config.json's sampling keys
+    that sets or replaces --generation-config's defaults (with `vllm`, they are the only defaults),
+    keyed by request field. An unknown key or a value out of its range ends the router at start."""
+    if not flag:
+        return {}
+    try:
+        cfg = json.loads(flag)
+    except ValueError as e:
+        raise ValueError(f"--override-generation-config is not valid JSON: {e}") from e
+    if not isinstance(cfg, dict):
+        raise ValueError("--override-generation-config must be a JSON object, e.g. '{\"temperature\": 0.5}'")
+    unknown = sorted(set(cfg) - set(OVERRIDE_RANGES))
+    if unknown:
+        raise ValueError(f"--override-generation-config: unknown key(s) {', '.join(unknown)}; "
+                         f"known: {', '.join(OVERRIDE_RANGES)}")
+    out = {}
+    for key, value in cfg.items():
+        least, most, whole = OVERRIDE_RANGES[key]
+        number = isinstance(value, int if whole else (int, float)) and not isinstance(value, bool)
+        if not number or not least <= value <= most or (key == "repetition_penalty" and value == 0):
+            kind = "a whole number" if whole else "a number"
+            raise ValueError(f"--override-generation-config: {key} must be {kind} from {least} to {most}, "
+                             f"got {value!r}")
+        out[GENERATION_DEFAULTS[key]] = value
     return out

@@ -312,9 +312,18 @@ def test_a_tokenizer_that_cannot_load_stops_the_router_with_one_line(fakes, tmp_
                                  "--log-format", "json"], timeout=60)
     text = out.stdout + out.stderr
     assert out.returncode == EXIT_CONFIG and "Traceback" not in text, text[-3000:]
-    assert "cannot load the model's tokenizer or chat template" in text and str(tmp_path / "gone") in text
+    assert "cannot set up the served model" in text and str(tmp_path / "gone") in text
     if processes == "2":
         assert "refused its settings; stopping the router" in text and "replacing it" not in text
+
+
+def test_a_bad_generation_override_stops_the_router_with_one_line(fakes):
+    out = run_service("router", ["--port", str(free_port()), "--prefill", fakes.prefill.addr, "--decode",
+                                 fakes.decode.addr, "--override-generation-config", '{"temperature": 3}',
+                                 "--log-format", "json"], timeout=60)
+    text = out.stdout + out.stderr
+    assert out.returncode == EXIT_CONFIG and "Traceback" not in text, text[-3000:]
+    assert "--override-generation-config: temperature must be a number from 0.0 to 2.0, got 3" in text
 
 
 @pytest.mark.parametrize("flags", [("--processes", "0"), ("--processes", "2", "--port", "0"),

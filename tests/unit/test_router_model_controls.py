@@ -1,5 +1,6 @@
 """The served model's controls with vLLM's names: several --served-model-name, --max-model-len,
---chat-template, generation_config.json defaults, and a default max_tokens the decode pool holds."""
+--chat-template, generation_config.json defaults and --override-generation-config, and a default
+max_tokens the decode pool holds."""
 
 from __future__ import annotations
 
@@ -96,3 +97,29 @@ def test_an_hf_folder_with_generation_defaults(tmp_path):
     folder = build_llama3_folder(tmp_path / "llama")
     (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "top_p": 0.8}))
     assert model_controls.generation_defaults(str(folder)) == {"temperature": 0.7, "top_p": 0.8}
+
+
+def test_override_generation_config_sets_and_replaces_defaults(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9}))
+    overrides = model_controls.generation_overrides('{"temperature": 0.2, "max_new_tokens": 5, "top_k": 20}')
+    assert overrides == {"temperature": 0.2, "max_tokens": 5, "top_k": 20}
+    defaults = {**model_controls.generation_defaults(str(tmp_path)), **overrides}
+    spec = parse_chat({"model": "m", "messages": MSGS},
+                      ModelInfo(name="m", tokenizer=TOK, context_length=64, defaults=defaults))
+    assert (spec.temperature, spec.top_p, spec.top_k, spec.max_tokens) == (0.2, 0.9, 20, 5)
+    assert model_controls.generation_overrides("") == {}
+    for bad, why in [("{", "not valid JSON"), ("[1]", "JSON object"), ('{"temp": 1}', "unknown key"),
+                     ('{"temperature": 2.5}', "from 0.0 to 2.0"), ('{"top_k": 1.5}', "whole number"),
+                     ('{"max_new_tokens": 0}', "max_new_tokens"), ('{"top_p": "high"}', "top_p"),
+                     ('{"repetition_penalty": 0}', "repetition_penalty")]:
+        with pytest.raises(ValueError, match=why):
+            model_controls.generation_overrides(bad)
+
+
+def test_router_applies_the_override_to_requests_that_leave_the_field_out(cluster_factory):  # noqa: F811
+    c = cluster_factory(override_generation_config='{"max_new_tokens": 3}')
+    body = {"model": c.router.info.name, "messages": [{"role": "user", "content": "hello"}]}
+    assert httpx.post(c.url + "/v1/chat/completions", json=body).json()["usage"]["completion_tokens"] == 3
+    own = httpx.post(c.url + "/v1/chat/completions", json={**body, "max_tokens": 5}).json()
+    assert own["usage"]["completion_tokens"] == 5
+    c.all_rpcs_ended()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 
 from services.common.builtin_tokenizer import BuiltinTokenizer
@@ -20,6 +21,7 @@ from services.router.reasoning import FLAG_CHOICES, ReasoningSplit, parser_name,
 from services.router.render import ResponseState
 from services.router.responses_request import translate
 from services.router.responses_stream import EventStream
+from tests.unit.test_router_app import cluster_factory, sse_payloads  # noqa: F401 - fixture
 
 CASES = [
     # (text, starts inside, reasoning, content)
@@ -244,3 +246,28 @@ def test_a_reasoning_item_given_back_joins_its_message():
     with pytest.raises(APIError) as e:
         translate({"model": "m", "input": [{"type": "reasoning", "summary": [], "encrypted_content": "x"}]})
     assert e.value.param == "input[0].encrypted_content"
+
+
+# --- through the router, with everything a stream can carry ---------------------------------------
+
+
+def test_streamed_choices_add_up_to_the_body_through_the_router(cluster_factory):  # noqa: F811
+    c = cluster_factory(reasoning_parser="deepseek_r1")
+    body = {"model": c.router.info.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9,
+            "n": 2, "seed": 3, "logprobs": True, "top_logprobs": 1}
+    whole = httpx.post(c.url + "/v1/chat/completions", json=body, timeout=10).json()
+    streamed = sse_payloads(httpx.post(c.url + "/v1/chat/completions", timeout=10, json={
+        **body, "stream": True, "stream_interval": 3, "stream_options": {"include_usage": True,
+                                                                         "continuous_usage_stats": True}}).text)
+    for choice in whole["choices"]:
+        # deepseek_r1 without </think>: the whole reply is reasoning, its tokens' logprobs all there
+        message = choice["message"]
+        assert message["content"] is None and message["reasoning"] == message["reasoning_content"]
+        assert len(choice["logprobs"]["content"]) == 9
+        deltas = [ch["choices"][0] for ch in streamed if ch["choices"] and ch["choices"][0]["index"] == choice["index"]]
+        assert "".join(d["delta"].get("reasoning", "") for d in deltas) == message["reasoning"]
+        assert not "".join(d["delta"].get("content") or "" for d in deltas)
+        assert sum(len((d["logprobs"] or {}).get("content") or []) for d in deltas) == 9
+        assert deltas[-1]["finish_reason"] == choice["finish_reason"] == "length"
+    assert streamed[-1]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"] == 18
+    c.all_rpcs_ended()

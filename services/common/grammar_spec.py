@@ -1,8 +1,10 @@
 """Grammar texts for structured output, torch-free: the router checks a request's grammar with
 these before any worker sees it; services/engine/grammar.py compiles the same text per tokenizer.
 
-A grammar travels as (kind, source): "json_schema" (the schema as JSON text), "regex" or "lark"
-(llguidance's Lark dialect, which may embed JSON schemas with `%json { ... }`).
+A grammar travels as (kind, source): "json_schema" (the schema as JSON text), "regex", "lark"
+(llguidance's Lark dialect, which may embed JSON schemas with `%json { ... }`) or "llguidance"
+(llguidance's own JSON: a list of grammars, the first the start one, referring to the others by
+name; the router composes these, clients never send them).
 """
 
 from __future__ import annotations
@@ -34,6 +36,14 @@ def to_llguidance(kind: str, source: str) -> str:
         return llguidance.grammar_from("json_schema", json.dumps(schema))
     if kind in ("regex", "lark"):
         return llguidance.grammar_from(kind, source)
+    if kind == "llguidance":
+        try:
+            grammars = json.loads(source).get("grammars")
+        except (ValueError, AttributeError):
+            grammars = None
+        if not isinstance(grammars, list) or not grammars:
+            raise GrammarError("an llguidance grammar is a JSON object with a non-empty 'grammars' list")
+        return source
     raise GrammarError(f"unknown grammar kind {kind!r}")
 
 

@@ -17,7 +17,9 @@ from typing import Any
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for top_logprobs
-GRAMMAR_KINDS = ("json_schema", "regex", "lark")
+# "llguidance": llguidance's own grammar JSON (several grammars, the first the start one), which the
+# router composes (a reasoning model's thinking before a request's grammar, services/router/reasoning.py)
+GRAMMAR_KINDS = ("json_schema", "regex", "lark", "llguidance")
 UINT32_MAX = (1 << 32) - 1
 
 

@@ -32,10 +32,10 @@ from services.router.prompts import (
     normalize_chat_messages,
     truncate,
 )
-from services.router.reasoning import PROMPT_TAIL_TOKENS, REQUEST_FIELDS, starts_inside
+from services.router.reasoning import INSIDE, PROMPT_TAIL_TOKENS, REQUEST_FIELDS, think_first, thinking_mode
 from services.router.request_fields import refuse_unsupported
 from services.router.structured import structured_output_field
-from services.router.tools import parse_tools
+from services.router.tools import marker_term, parse_tools
 
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM any. A bound keeps stop matching cheap.
 # Longest stop string, in characters: holding back a possible partial match costs O(length²)
@@ -514,13 +514,16 @@ def parse_completion(body: Any, info: ModelInfo) -> GenerateSpec:
     return replace(specs[0], batch=tuple(specs))
 
 
-def _reasoning(body: dict, info: ModelInfo, ids: list[int], constrained: bool) -> dict[str, Any]:
-    """The chat reply's reasoning split (GenerateSpec's reasoning_* fields and include_reasoning)."""
+def _reasoning(body: dict, info: ModelInfo, ids: list[int], kw: dict[str, Any]) -> dict[str, Any]:
+    """The chat reply's reasoning split (GenerateSpec's reasoning_* fields and include_reasoning);
+    a grammar in `kw` is made to hold after the thinking (services/router/reasoning.py)."""
     if info.reasoning_parser is None:
         return {}
     tail = info.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
-    return {"reasoning_parser": info.reasoning_parser,
-            "reasoning_inside": starts_inside(info.reasoning_parser, tail, constrained),
+    mode = thinking_mode(info.reasoning_parser, tail)
+    if kw["grammar"] is not None:
+        kw["grammar"] = think_first(kw["grammar"], mode, marker_term(info.tokenizer))
+    return {"reasoning_parser": info.reasoning_parser, "reasoning_inside": mode == INSIDE,
             "include_reasoning": get_bool(body, "include_reasoning", True)}
 
 
@@ -566,8 +569,9 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerateSpec:
     check_request_size(kw["n"], len(ids), kw["grammar"], "n" if kw["n"] > 1 else "messages", info.limits)
     check_prompt_logprobs_size(len(ids), kw["prompt_logprobs"], "messages")
     echoed = echo_text(body, messages)
+    reasoning = _reasoning(body, info, ids, kw)
     return GenerateSpec(
-        **_reasoning(body, info, ids, kw["grammar"] is not None),
+        **reasoning,
         kind="chat",
         model=model,
         prompt_ids=ids,

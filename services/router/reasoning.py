@@ -11,17 +11,23 @@ Where a reply starts:
   max_tokens, or a model that never stopped thinking).
 - qwen3: inside the reasoning when the prompt ends with an open <think> (a thinking-only template,
   or an assistant turn continued mid-thought); otherwise as content, and a <think> at the very start
-  of the reply opens the reasoning. Qwen3's hybrid templates with enable_thinking false close an
-  empty <think></think> in the prompt, so the reply is all content.
-- Under a grammar (structured output, a forced tool call), as content: the grammar holds from the
-  reply's first token, so the model has no room to think before it (vLLM lets it reason first and
-  applies the grammar after </think>; pdmesh does not).
+  of the reply opens the reasoning. Qwen3's hybrid templates with enable_thinking false end the
+  prompt with an empty <think></think>: thinking is off and the reply is all content.
+
+A request's grammar (structured output, a forced tool call) holds after the thinking, as vLLM
+applies it: `think_first` makes one llguidance grammar of a free thought (required when the reply
+starts inside one, optional when the model may open one) up to </think>, then the request's own.
 
 A stream's text comes in pieces, and a tag may be cut between two: a piece's tail that could be the
 start of a tag is held back until the next piece (or the end) says what it is.
 """
 
 from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+from services.common.grammar_spec import to_llguidance
 
 OPEN, CLOSE = "<think>", "</think>"
 # parser name → whether a reply starts inside the reasoning whatever the prompt says
@@ -42,16 +48,46 @@ def parser_name(flag: str) -> str | None:
     return name
 
 
+# how a reply to a prompt may think (the module's rules)
+INSIDE, MAY_OPEN, OFF = "inside", "may_open", "off"
+
+
 def prompt_leaves_open(prompt_tail: str) -> bool:
     """The prompt ends inside a <think> it opened (its last <think> comes after its last </think>)."""
     return prompt_tail.rfind(OPEN) > prompt_tail.rfind(CLOSE)
 
 
-def starts_inside(parser: str, prompt_tail: str, constrained: bool) -> bool:
-    """Whether a reply to this prompt starts inside the reasoning (the module's rules)."""
-    if constrained:
-        return False
-    return PARSERS[parser] or prompt_leaves_open(prompt_tail)
+def thinking_mode(parser: str, prompt_tail: str) -> str:
+    """INSIDE: the reply starts thinking; MAY_OPEN: it may open a thought first; OFF: the prompt
+    ends with a closed thought (thinking turned off), so the reply is the answer."""
+    if PARSERS[parser] or prompt_leaves_open(prompt_tail):
+        return INSIDE
+    return OFF if prompt_tail.rstrip().endswith(CLOSE) else MAY_OPEN
+
+
+ANSWER = "pdmesh_answer"  # the request's own grammar, referred to from the thinking one
+
+
+def think_first(grammar: tuple[str, str], mode: str, marker: Callable[[str], str]) -> tuple[str, str]:
+    """The request's grammar after a free thought, as one llguidance grammar. `marker` spells a tag
+    in the grammar (services/router/tools.marker_term): a token reference when the tokenizer has the
+    tag as one token — free text can never write that token, so the thought ends where it comes —
+    else a string, and the thought is lazy: it ends at the first </think>. Up to two blanks may
+    follow (Qwen3 writes "</think>\n\n"). OFF leaves the grammar as it is."""
+    if mode == OFF:
+        return grammar
+    answer = json.loads(to_llguidance(*grammar))["grammars"]
+    open_tag, close_tag = marker(OPEN), marker(CLOSE)
+    if close_tag.startswith("<["):
+        thought = f"pdmesh_thought: PDMESH_THOUGHT {close_tag}\nPDMESH_THOUGHT: /(.|\\n)*/\n"
+    else:
+        thought = f"pdmesh_thought[suffix={close_tag}]: /(.|\\n)*/\n"
+    if mode == INSIDE:
+        start = f"start: {open_tag}? pdmesh_thought PDMESH_GAP? @{ANSWER}\n"
+    else:
+        start = f"start: ({open_tag} pdmesh_thought PDMESH_GAP?)? @{ANSWER}\n"
+    lark = start + thought + "PDMESH_GAP: /[ \\n]{1,2}/\n"
+    return "llguidance", json.dumps({"grammars": [{"lark_grammar": lark}, {**answer[0], "name": ANSWER}, *answer[1:]]})
 
 
 _LEAD_INSIDE, _LEAD_CONTENT, _INSIDE, _CONTENT = range(4)

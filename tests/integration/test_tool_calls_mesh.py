@@ -241,9 +241,12 @@ def test_bad_tool_requests_are_400(client, model):
         assert e.value.status_code == 400
 
 
-# A random model never thinks by itself: a regex grammar makes it write a thought, then an answer
-# (under a grammar the reply starts as content, and its leading <think> opens the reasoning).
-THOUGHT = {"structured_outputs": {"regex": "<think>[a-z ]{3,24}</think>[a-z ]{3,24}"}}
+# A random model never thinks by itself, nor ever writes </think>: a regex grammar makes it write a
+# thought, then an answer. The request's template ends with a closed thought (Qwen3's with
+# enable_thinking false), so the router leaves that grammar as it is — it would otherwise let the
+# model think freely first — and the reply's leading <think> still opens the reasoning.
+OFF_TEMPLATE = "{% for m in messages %}{{ m.content }}\n{% endfor %}<think>\n\n</think>\n\n"
+THOUGHT = {"structured_outputs": {"regex": "<think>[a-z ]{3,24}</think>[a-z ]{3,24}"}, "chat_template": OFF_TEMPLATE}
 
 
 def test_reasoning_is_told_apart(thinking, client, model):
@@ -279,7 +282,7 @@ def test_tool_calls_after_the_thinking(mesh, thinking, model):
     grammar = (f'start: "<think>" /[a-z ]{{3,24}}/ "</think>" {marker("<tool_call>")} {head} /[a-z]{{1,8}}/ {tail} '
                f'{marker("</tool_call>")}')
     kw = dict(model=model, messages=MESSAGES, tools=TOOLS, max_tokens=100, seed=7, temperature=1.0,
-              extra_body={"structured_outputs": {"grammar": grammar}})
+              extra_body={"structured_outputs": {"grammar": grammar}, "chat_template": OFF_TEMPLATE})
     choice = thinking.chat.completions.create(**kw).choices[0]
     assert re.fullmatch("[a-z ]{3,24}", choice.message.model_extra["reasoning"])
     assert choice.message.tool_calls, (choice.message, choice.finish_reason)
@@ -290,6 +293,36 @@ def test_tool_calls_after_the_thinking(mesh, thinking, model):
     calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
     assert calls and calls[0].function.name == "search"
     assert "".join(c.function.arguments or "" for c in calls) == choice.message.tool_calls[0].function.arguments
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+          "additionalProperties": False}
+
+
+def test_a_grammar_holds_after_a_free_thought(mesh, thinking, model):
+    tok = load_tokenizer(str(mesh[2]))
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}
+    # the model may open a thought or answer at once: pushed towards "{", it answers at once, and
+    # the answer follows the schema
+    brace = {str(t): 100 for t in (*tok.encode("{", add_special_tokens=False), *tok.encode('{"', add_special_tokens=False))}
+    out = thinking.chat.completions.create(model=model, messages=MESSAGES, max_tokens=40, seed=2, response_format=fmt,
+                                           logit_bias=brace)
+    msg = out.choices[0].message
+    assert out.choices[0].finish_reason == "stop" and msg.model_extra.get("reasoning") is None
+    jsonschema.validate(json.loads(msg.content), SCHEMA)
+    # a prompt that leaves a thought open: the reply thinks first, free of the schema (a random
+    # model never closes its thought, so max_tokens ends it: all reasoning, no answer yet)
+    inside = {"chat_template": "{% for m in messages %}{{ m.content }}\n{% endfor %}<think>\n"}
+    for stream in (False, True):
+        kw = dict(model=model, messages=MESSAGES, max_tokens=12, seed=3, response_format=fmt, extra_body=inside)
+        if stream:
+            deltas = [c.choices[0].delta for c in thinking.chat.completions.create(**kw, stream=True) if c.choices]
+            reasoning = "".join((d.model_extra or {}).get("reasoning") or "" for d in deltas)
+            assert reasoning and not "".join(d.content or "" for d in deltas)
+        else:
+            out = thinking.chat.completions.create(**kw)
+            assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 12
+            assert out.choices[0].message.content is None and out.choices[0].message.model_extra["reasoning"]
 
 
 def test_mesh_is_clean_afterwards(mesh):

@@ -1,26 +1,44 @@
 """--reasoning-parser: a reply's <think>...</think> told apart from its answer — the split itself
 (fed whole and in every cut), where a reply starts for each parser, and the chat reply's body and
 SSE deltas built by ResponseState (reasoning, reasoning_content, content, tool calls after the
-thinking, include_reasoning false)."""
+thinking, include_reasoning false), a request's grammar after a free thought (checked with
+llguidance over real tokenizers), and the Responses API's reasoning items."""
 
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import httpx
+import llguidance
 import pytest
+import tokenizers
 
 from services.common.builtin_tokenizer import BuiltinTokenizer
 from services.common.config import ROUTER_FLAGS
+from services.common.grammar_spec import build_tokenizer, to_llguidance, validate
+from services.common.tokenizer import load_tokenizer, resolve_model_path
 from services.router import responses_output
 from services.router.errors import APIError
 from services.router.orchestrator import Chunk
 from services.router.output import TokenStrings
 from services.router.protocol import ModelInfo, parse_chat
-from services.router.reasoning import FLAG_CHOICES, ReasoningSplit, parser_name, split_whole, starts_inside
+from services.router.reasoning import (
+    FLAG_CHOICES,
+    INSIDE,
+    MAY_OPEN,
+    OFF,
+    ReasoningSplit,
+    parser_name,
+    split_whole,
+    think_first,
+    thinking_mode,
+)
 from services.router.render import ResponseState
 from services.router.responses_request import translate
 from services.router.responses_stream import EventStream
+from services.router.tools import marker_term
 from tests.unit.test_router_app import cluster_factory, sse_payloads  # noqa: F401 - fixture
 
 CASES = [
@@ -60,13 +78,13 @@ def test_every_two_and_three_way_cut_splits_as_the_whole(text, inside, reasoning
 
 
 def test_where_a_reply_starts():
-    assert starts_inside("deepseek_r1", "<|Assistant|>", constrained=False)
-    assert starts_inside("qwen3", "<|im_start|>assistant\n<think>\n", constrained=False)
-    # Qwen3 with enable_thinking false: an empty thought closed in the prompt
-    assert not starts_inside("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n", constrained=False)
-    assert not starts_inside("qwen3", "<|im_start|>assistant\n", constrained=False)
-    # a grammar holds from the first token: no room to think first
-    assert not starts_inside("deepseek_r1", "<|Assistant|><think>\n", constrained=True)
+    assert thinking_mode("deepseek_r1", "<|Assistant|>") == INSIDE
+    assert thinking_mode("qwen3", "<|im_start|>assistant\n<think>\n") == INSIDE
+    # Qwen3 with enable_thinking false: an empty thought closed at the prompt's end
+    assert thinking_mode("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n") == OFF
+    assert thinking_mode("qwen3", "<|im_start|>assistant\n") == MAY_OPEN
+    # an earlier turn's closed thought is not the end of the prompt
+    assert thinking_mode("qwen3", "</think>ok<|im_end|>\n<|im_start|>assistant\n") == MAY_OPEN
 
 
 def test_flag_values():
@@ -167,11 +185,67 @@ def test_deepseek_r1_reply_that_never_closes_is_reasoning():
     assert message["reasoning"] == "thinking until the end" and message["content"] is None
 
 
-def test_a_grammar_reply_is_content():
+def test_a_grammar_holds_after_the_thinking():
     s = spec("deepseek_r1", response_format={"type": "json_object"})
-    assert not s.reasoning_inside
-    message = body_of(s, '{"a": 1}')["choices"][0]["message"]
-    assert message["content"] == '{"a": 1}' and message["reasoning"] is None
+    assert s.reasoning_inside and s.grammar[0] == "llguidance" and s.grammar_param == "response_format"
+    message = body_of(s, 'weigh it</think>\n{"a": 1}')["choices"][0]["message"]
+    assert message["reasoning"] == "weigh it" and message["content"] == '\n{"a": 1}'
+    # thinking turned off in the prompt: the request's grammar as it came
+    off = spec("qwen3", response_format={"type": "json_object"}, chat_template="{{ messages[0].content }}<think></think>")
+    assert off.grammar[0] == "json_schema" and not off.reasoning_inside
+    assert spec(None, response_format={"type": "json_object"}).grammar[0] == "json_schema"
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
+
+
+def _matcher(tok, folder, grammar):
+    lltok = build_tokenizer(tok, folder, tok.vocab_size)
+    return lambda: llguidance.LLMatcher(lltok, to_llguidance(*grammar), log_level=0)
+
+
+def _takes(make, ids) -> tuple[bool, bool]:
+    """(every token allowed, the grammar complete) after feeding `ids`."""
+    m = make()
+    return m.consume_tokens(ids), m.is_accepting()
+
+
+@pytest.mark.parametrize("mode", [INSIDE, MAY_OPEN])
+def test_thinking_grammar_with_tags_as_text(mode):
+    folder = Path(resolve_model_path("builtin"))
+    tok = load_tokenizer("builtin")
+    grammar = think_first(("json_schema", json.dumps(SCHEMA)), mode, marker_term(tok))
+    assert validate(*grammar) is None
+    make = _matcher(tok, folder, grammar)
+    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    opened = "<think>" if mode == MAY_OPEN else ""
+    assert _takes(make, enc(opened + "any text, even {\"a\": \"x\"}, until the tag</think>\n\n{\"a\":7}")) == (True, True)
+    assert _takes(make, enc(opened + "thought</think>{\"a\":\"x\"}"))[0] is False  # the schema holds after it
+    assert _takes(make, enc(opened + "still thinking {\"a\":7}")) == (True, False)  # not done without </think>
+    # without a thought: the answer itself (MAY_OPEN), or still the thought (INSIDE)
+    assert _takes(make, enc("{\"a\":7}")) == (True, mode == MAY_OPEN)
+
+
+def test_thinking_grammar_with_tags_as_tokens(tmp_path):
+    # a tokenizer that has <think> and </think> as tokens of their own (Qwen3, R1 distills): the
+    # grammar names them by id, as free text can never write them
+    folder = tmp_path / "m"
+    shutil.copytree(resolve_model_path("builtin"), folder)
+    hf = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    hf.add_tokens(["<think>", "</think>"])
+    hf.save(str(folder / "tokenizer.json"))
+    tok = load_tokenizer(str(folder))
+    open_id, close_id = (tok.encode(t, add_special_tokens=False) for t in ("<think>", "</think>"))
+    assert len(open_id) == len(close_id) == 1
+    grammar = think_first(("json_schema", json.dumps(SCHEMA)), INSIDE, marker_term(tok))
+    lark = json.loads(grammar[1])["grammars"][0]["lark_grammar"]
+    assert f"<[{close_id[0]}]>" in lark and f"<[{open_id[0]}]>" in lark
+    make = _matcher(tok, folder, grammar)
+    text = tok.encode("a thought", add_special_tokens=False)
+    answer = tok.encode('{"a":1}', add_special_tokens=False)
+    assert _takes(make, [*open_id, *text, *close_id, *answer]) == (True, True)
+    assert _takes(make, [*text, *close_id, *answer]) == (True, True)
+    assert _takes(make, [*text, *answer]) == (True, False)  # no </think> yet: all of it is the thought
 
 
 def test_prompt_left_open_starts_inside():

@@ -232,6 +232,10 @@ ROUTER_FLAGS = [
          "llama3_json (Llama 3.1+ JSON), auto (detected from the chat template) or none (tools only with "
          "tool_choice none)",
          choices=("auto", "none", "hermes", "llama3_json")),
+    Flag("enable-auto-tool-choice", bool, True,
+         "serve tool_choice auto (the default when a request has tools: the reply is free and parsed for "
+         "calls in --tool-call-parser's format), as vLLM's flag; --no-enable-auto-tool-choice refuses it with "
+         "a 400, as vLLM without the flag, while required, a named function and none still work"),
     Flag("reasoning-parser", str, "",
          "tell a reasoning model's thinking (<think>...</think>) apart from its answer in chat replies, as "
          "vLLM's flag: deepseek_r1 (the reply starts thinking; DeepSeek-R1, QwQ) or qwen3 (thinking when the "

@@ -82,5 +82,6 @@ def served_model(settings: RouterSettings, tokenizer: Tokenizer,
                      force_include_usage=settings.enable_force_include_usage,
                      tokens_as_ids=settings.return_tokens_as_token_ids,
                      reasoning_parser=reasoning.parser_name(settings.reasoning_parser),
+                     auto_tool_choice=settings.enable_auto_tool_choice,
                      limits=RequestLimits(settings.max_grammar_bytes, settings.max_request_worker_bytes))
     return names, info

@@ -81,6 +81,7 @@ class ModelInfo:
     tokens_as_ids: bool = False
     # --reasoning-parser: chat replies' thinking told apart from their content (services/router/reasoning.py)
     reasoning_parser: str | None = None
+    auto_tool_choice: bool = True  # --enable-auto-tool-choice: tool_choice auto is served
 
 
 @dataclass
@@ -543,7 +544,7 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerateSpec:
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
     model = served_model(body, info)
     body = _with_defaults(body, info)
-    tools = parse_tools(body, info.tool_parser, info.tokenizer, info.limits)
+    tools = parse_tools(body, info.tool_parser, info.tokenizer, info.limits, info.auto_tool_choice)
     kw = _common(body, info, "chat")
     want_logprobs = get_bool(body, "logprobs", False)
     top_logprobs = get_int(body, "top_logprobs", None, 0, MAX_LOGPROBS)

@@ -124,9 +124,10 @@ def _parse_choice(body: dict, names: list[str]) -> tuple[str, str | None]:
 
 
 def parse_tools(body: dict, parser: str | None, tokenizer: Tokenizer | None = None,
-                limits: RequestLimits = DEFAULT_LIMITS) -> ToolRequest | None:
+                limits: RequestLimits = DEFAULT_LIMITS, auto: bool = True) -> ToolRequest | None:
     """The request's tools, or None when it has none. `parser`: the served model's tool-call
-    format (None when its chat template shows none); `tokenizer`: the model's, for the grammar."""
+    format (None when its chat template shows none); `tokenizer`: the model's, for the grammar;
+    `auto`: whether tool_choice auto is served (--enable-auto-tool-choice)."""
     for old in ("functions", "function_call"):
         if body.get(old) is not None:
             raise bad_request(f"The deprecated '{old}' parameter is not supported; send 'tools' and 'tool_choice'.",
@@ -164,6 +165,11 @@ def parse_tools(body: dict, parser: str | None, tokenizer: Tokenizer | None = No
     if choice == "none":
         # rendered (the model sees what it may not call, as vLLM does), never parsed
         return ToolRequest(raw or [], choice, None, parallel, None, None)
+    if choice == "auto" and not auto:
+        raise bad_request(
+            "tool_choice 'auto' (the default when 'tools' are given) is turned off on this server "
+            "(--no-enable-auto-tool-choice); send tool_choice 'required', a named function or 'none'.",
+            param="tool_choice", code="unsupported_value")
     if parser is None and choice in ("required", "function"):
         # a model whose template shows no format (the built-in one) can still be made to call: the
         # grammar forces plain JSON calls, {"name": ..., "parameters": {...}} (vLLM forces JSON too)

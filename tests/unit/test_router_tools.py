@@ -11,6 +11,7 @@ import llguidance
 import pytest
 
 from services.common.builtin_tokenizer import BuiltinTokenizer
+from services.common.config import ROUTER_FLAGS, parse_args
 from services.common.grammar_spec import to_llguidance
 from services.common.tokenizer import load_tokenizer
 from services.fakes.hf_checkpoints import save_tiny_qwen2_tools
@@ -405,3 +406,19 @@ def test_llama31_template_end_to_end_in_the_router(llama_folder):
     assert choice["finish_reason"] == "stop" and choice["message"]["content"] is None
     assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather",
                                                                "arguments": '{"city": "Paris", "days": 1}'}
+
+
+def test_auto_tool_choice_can_be_turned_off(tok):
+    # vLLM's --enable-auto-tool-choice (on here by default); off, auto — also the default choice
+    # when tools are given — is a 400, and the other choices still work
+    off = ModelInfo(name="m", tokenizer=tok, context_length=2048, tool_parser=tool_parser("auto", tok),
+                    auto_tool_choice=False)
+    for kw in ({}, {"tool_choice": "auto"}):
+        err = rejects(off, param="tool_choice", code="unsupported_value", tools=TOOLS, **kw)
+        assert "--no-enable-auto-tool-choice" in err.message
+    assert chat(off, tools=TOOLS, tool_choice="required").grammar is not None
+    assert chat(off, tools=TOOLS, tool_choice="none").tool_parser is None
+    assert chat(off, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "ping"}}).tool_named
+    args = parse_args("router", "test", ROUTER_FLAGS, ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    assert args.enable_auto_tool_choice is True
+    assert parse_args("router", "test", ROUTER_FLAGS, ["--no-enable-auto-tool-choice"]).enable_auto_tool_choice is False

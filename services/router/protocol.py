@@ -32,10 +32,18 @@ from services.router.prompts import (
     normalize_chat_messages,
     truncate,
 )
-from services.router.reasoning import INSIDE, PROMPT_TAIL_TOKENS, REQUEST_FIELDS, think_first, thinking_mode
+from services.router.reasoning import (
+    INSIDE,
+    MAX_THINKING_BUDGET,
+    OFF,
+    PROMPT_TAIL_TOKENS,
+    REQUEST_FIELDS,
+    think_first,
+    thinking_mode,
+)
 from services.router.request_fields import refuse_unsupported
 from services.router.structured import structured_output_field
-from services.router.tools import marker_term, parse_tools
+from services.router.tools import parse_tools
 
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM any. A bound keeps stop matching cheap.
 # Longest stop string, in characters: holding back a possible partial match costs O(length²)
@@ -522,8 +530,11 @@ def _reasoning(body: dict, info: ModelInfo, ids: list[int], kw: dict[str, Any]) 
         return {}
     tail = info.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
     mode = thinking_mode(info.reasoning_parser, tail)
-    if kw["grammar"] is not None:
-        kw["grammar"] = think_first(kw["grammar"], mode, marker_term(info.tokenizer))
+    budget = get_int(body, "thinking_token_budget", -1, -1, MAX_THINKING_BUDGET)  # vLLM's -1: no budget
+    budget = None if budget < 0 else budget
+    if kw["grammar"] is None and budget is not None and mode != OFF:
+        kw["grammar_param"] = "thinking_token_budget"
+    kw["grammar"] = think_first(kw["grammar"], mode, info.tokenizer, budget)
     return {"reasoning_parser": info.reasoning_parser, "reasoning_inside": mode == INSIDE,
             "include_reasoning": get_bool(body, "include_reasoning", True)}
 

@@ -25,16 +25,19 @@ start of a tag is held back until the next piece (or the end) says what it is.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 
 from services.common.grammar_spec import to_llguidance
+from services.common.tokenizer import Tokenizer
+from services.router.tools import marker_term
 
 OPEN, CLOSE = "<think>", "</think>"
 # parser name → whether a reply starts inside the reasoning whatever the prompt says
 PARSERS = {"deepseek_r1": True, "qwen3": False}
 ALIASES = {"deepseek-r1": "deepseek_r1"}  # SGLang's spelling
 FLAG_CHOICES = ("", *PARSERS, *ALIASES)
-REQUEST_FIELDS = frozenset({"include_reasoning"})  # vLLM's request fields a parser makes meaningful
+# vLLM's request fields a parser makes meaningful
+REQUEST_FIELDS = frozenset({"include_reasoning", "thinking_token_budget"})
+MAX_THINKING_BUDGET = 1 << 20
 PROMPT_TAIL_TOKENS = 16  # enough of the prompt's end to see whether it leaves a <think> open
 
 
@@ -66,28 +69,51 @@ def thinking_mode(parser: str, prompt_tail: str) -> str:
 
 
 ANSWER = "pdmesh_answer"  # the request's own grammar, referred to from the thinking one
+FREE_ANSWER = ("lark", "start: /(.|\\n)*/")  # a thinking budget without a grammar: any answer
 
 
-def think_first(grammar: tuple[str, str], mode: str, marker: Callable[[str], str]) -> tuple[str, str]:
-    """The request's grammar after a free thought, as one llguidance grammar. `marker` spells a tag
-    in the grammar (services/router/tools.marker_term): a token reference when the tokenizer has the
-    tag as one token — free text can never write that token, so the thought ends where it comes —
-    else a string, and the thought is lazy: it ends at the first </think>. Up to two blanks may
+def think_first(grammar: tuple[str, str] | None, mode: str, tokenizer: Tokenizer,
+                budget: int | None = None) -> tuple[str, str] | None:
+    """The request's grammar after a free thought, as one llguidance grammar; with `budget` (vLLM's
+    thinking_token_budget), the thought ends after that many tokens at the latest — </think> is
+    then forced — and a request without a grammar gets one that lets any answer follow. A tag the
+    tokenizer has as one token is named by its id (services/router/tools.marker_term): free text
+    can never write it, so the thought ends where it comes; a tag that is plain text ends the thought
+    at its first occurrence (lazily), its own tokens counted in the budget. Up to two blanks may
     follow (Qwen3 writes "</think>\n\n"). OFF leaves the grammar as it is."""
-    if mode == OFF:
+    if mode == OFF or (grammar is None and budget is None):
         return grammar
-    answer = json.loads(to_llguidance(*grammar))["grammars"]
+    answer = _grammars(*(grammar or FREE_ANSWER))
+    marker = marker_term(tokenizer)
     open_tag, close_tag = marker(OPEN), marker(CLOSE)
-    if close_tag.startswith("<["):
-        thought = f"pdmesh_thought: PDMESH_THOUGHT {close_tag}\nPDMESH_THOUGHT: /(.|\\n)*/\n"
-    else:
+    if budget == 0:
+        thought = f"pdmesh_thought: {close_tag}\n"
+    elif close_tag.startswith("<["):
+        limit = f"[max_tokens={budget}]" if budget is not None else ""
+        thought = f"pdmesh_thought: pdmesh_text {close_tag}\npdmesh_text{limit}: /(.|\\n)*/\n"
+    elif budget is None:
         thought = f"pdmesh_thought[suffix={close_tag}]: /(.|\\n)*/\n"
+    else:
+        # the lexeme's budget counts the tag's own tokens: a tag begun within the budget is finished
+        limit = budget + len(tokenizer.encode(CLOSE, add_special_tokens=False))
+        thought = f"pdmesh_thought: pdmesh_text {close_tag}\npdmesh_text[stop={close_tag}, max_tokens={limit}]: /(.|\\n)*/\n"
     if mode == INSIDE:
         start = f"start: {open_tag}? pdmesh_thought PDMESH_GAP? @{ANSWER}\n"
     else:
         start = f"start: ({open_tag} pdmesh_thought PDMESH_GAP?)? @{ANSWER}\n"
     lark = start + thought + "PDMESH_GAP: /[ \\n]{1,2}/\n"
     return "llguidance", json.dumps({"grammars": [{"lark_grammar": lark}, {**answer[0], "name": ANSWER}, *answer[1:]]})
+
+
+def _grammars(kind: str, source: str) -> list[dict]:
+    """A grammar as llguidance's list of grammars (its start one first): llguidance writes a JSON
+    schema or a regex as that JSON already, a Lark grammar as Lark text."""
+    text = to_llguidance(kind, source)
+    try:
+        grammars = json.loads(text)["grammars"]
+    except (ValueError, TypeError, KeyError):
+        return [{"lark_grammar": text}]
+    return [{k: v for k, v in g.items() if v is not None} for g in grammars]
 
 
 _LEAD_INSIDE, _LEAD_CONTENT, _INSIDE, _CONTENT = range(4)

@@ -49,7 +49,8 @@ REFUSED: dict[str, Refused] = {
     "ec_transfer_params": Refused("encoder-cache transfer is not supported"),
     "vllm_xargs": Refused("custom extension arguments are not supported"),
     "repetition_detection": Refused("repetition detection is not supported"),
-    "thinking_token_budget": Refused("a thinking token budget is not supported", (None, -1)),
+    "thinking_token_budget": Refused("a thinking budget bounds a chat reply's reasoning, and needs the router's "
+                                     "--reasoning-parser", (None, -1)),
     "include_reasoning": Refused("no reasoning parser is configured, so there is no reasoning to leave out",
                                  (None, True), frozenset({CHAT})),
     # OpenAI's (vLLM does not define them): they ask for output this server cannot give, which a

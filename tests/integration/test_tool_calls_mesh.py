@@ -323,6 +323,15 @@ def test_a_grammar_holds_after_a_free_thought(mesh, thinking, model):
             out = thinking.chat.completions.create(**kw)
             assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 12
             assert out.choices[0].message.content is None and out.choices[0].message.model_extra["reasoning"]
+    # vLLM's thinking_token_budget: the thought is cut after its budget, </think> forced, and the
+    # answer follows — the schema's, or any text without one
+    for extra, check in (({"response_format": fmt}, lambda c: jsonschema.validate(json.loads(c), SCHEMA)),
+                         ({}, lambda c: None)):
+        out = thinking.chat.completions.create(model=model, messages=MESSAGES, max_tokens=40, seed=4, **extra,
+                                               extra_body={**inside, "thinking_token_budget": 5})
+        msg = out.choices[0].message
+        assert msg.model_extra["reasoning"] and msg.content, (msg, out.choices[0].finish_reason)
+        check(msg.content)
 
 
 def test_mesh_is_clean_afterwards(mesh):

@@ -38,7 +38,6 @@ from services.router.reasoning import (
 from services.router.render import ResponseState
 from services.router.responses_request import translate
 from services.router.responses_stream import EventStream
-from services.router.tools import marker_term
 from tests.unit.test_router_app import cluster_factory, sse_payloads  # noqa: F401 - fixture
 
 CASES = [
@@ -214,7 +213,7 @@ def _takes(make, ids) -> tuple[bool, bool]:
 def test_thinking_grammar_with_tags_as_text(mode):
     folder = Path(resolve_model_path("builtin"))
     tok = load_tokenizer("builtin")
-    grammar = think_first(("json_schema", json.dumps(SCHEMA)), mode, marker_term(tok))
+    grammar = think_first(("json_schema", json.dumps(SCHEMA)), mode, tok)
     assert validate(*grammar) is None
     make = _matcher(tok, folder, grammar)
     enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
@@ -229,15 +228,10 @@ def test_thinking_grammar_with_tags_as_text(mode):
 def test_thinking_grammar_with_tags_as_tokens(tmp_path):
     # a tokenizer that has <think> and </think> as tokens of their own (Qwen3, R1 distills): the
     # grammar names them by id, as free text can never write them
-    folder = tmp_path / "m"
-    shutil.copytree(resolve_model_path("builtin"), folder)
-    hf = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
-    hf.add_tokens(["<think>", "</think>"])
-    hf.save(str(folder / "tokenizer.json"))
-    tok = load_tokenizer(str(folder))
+    folder, tok = _tags_as_tokens(tmp_path)
     open_id, close_id = (tok.encode(t, add_special_tokens=False) for t in ("<think>", "</think>"))
     assert len(open_id) == len(close_id) == 1
-    grammar = think_first(("json_schema", json.dumps(SCHEMA)), INSIDE, marker_term(tok))
+    grammar = think_first(("json_schema", json.dumps(SCHEMA)), INSIDE, tok)
     lark = json.loads(grammar[1])["grammars"][0]["lark_grammar"]
     assert f"<[{close_id[0]}]>" in lark and f"<[{open_id[0]}]>" in lark
     make = _matcher(tok, folder, grammar)
@@ -246,6 +240,64 @@ def test_thinking_grammar_with_tags_as_tokens(tmp_path):
     assert _takes(make, [*open_id, *text, *close_id, *answer]) == (True, True)
     assert _takes(make, [*text, *close_id, *answer]) == (True, True)
     assert _takes(make, [*text, *answer]) == (True, False)  # no </think> yet: all of it is the thought
+
+
+def _tags_as_tokens(tmp_path):
+    folder = tmp_path / "m"
+    shutil.copytree(resolve_model_path("builtin"), folder)
+    hf = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    hf.add_tokens(["<think>", "</think>"])
+    hf.save(str(folder / "tokenizer.json"))
+    return folder, load_tokenizer(str(folder))
+
+
+@pytest.mark.parametrize("tags", ["text", "tokens"])
+def test_a_thinking_budget_forces_the_thought_to_end(tmp_path, tags):
+    # vLLM's thinking_token_budget: after that many tokens of thought, </think> is forced; a request
+    # without a grammar may then answer anything
+    if tags == "text":
+        folder, tok = Path(resolve_model_path("builtin")), load_tokenizer("builtin")
+    else:
+        folder, tok = _tags_as_tokens(tmp_path)
+    close = tok.encode("</think>", add_special_tokens=False)
+    words = tok.encode(" one two three four five six seven eight nine ten eleven twelve", add_special_tokens=False)
+    # a tag written as text counts its own tokens in the budget, so that one begun within it ends
+    limit = 4 + (len(close) if tags == "text" else 0)
+    for grammar, answer in ((None, "free text, any"), (("json_schema", json.dumps(SCHEMA)), '{"a":3}')):
+        make = _matcher(tok, folder, think_first(grammar, INSIDE, tok, budget=4))
+        m = make()
+        assert m.consume_tokens(words[:limit])
+        forced = tok.decode(m.compute_ff_tokens(), skip_special_tokens=False)
+        # the budget is spent: the tag comes next (its last token may still join what follows)
+        assert forced.startswith("</think"), forced
+        assert _takes(make, [*words[:limit], *close, *tok.encode(answer, add_special_tokens=False)]) == (True, True)
+        assert _takes(make, words[: limit + 1])[0] is False  # one more token of thought is refused
+        # a thought that ends by itself within the budget
+        assert _takes(make, [*words[:2], *close, *tok.encode(answer, add_special_tokens=False)]) == (True, True)
+    # a budget of 0: no thought at all (a leading <think> is still the model's to write)
+    make = _matcher(tok, folder, think_first(None, INSIDE, tok, budget=0))
+    opened = tok.encode("<think>", add_special_tokens=False)
+    assert _takes(make, [*close, *words]) == (True, True)
+    assert _takes(make, [*opened, *close, *words]) == (True, True)
+    assert _takes(make, words[:1])[0] is False
+
+
+def test_thinking_token_budget_in_requests():
+    s = spec("deepseek_r1", thinking_token_budget=8)
+    assert s.grammar[0] == "llguidance" and s.grammar_param == "thinking_token_budget"
+    assert spec("deepseek_r1", thinking_token_budget=-1).grammar is None  # vLLM's "no budget"
+    with_schema = spec("deepseek_r1", thinking_token_budget=8, response_format={"type": "json_object"})
+    assert with_schema.grammar[0] == "llguidance" and with_schema.grammar_param == "response_format"
+    # thinking turned off in the prompt: nothing to bound
+    off = spec("qwen3", thinking_token_budget=8, chat_template="{{ messages[0].content }}<think></think>")
+    assert off.grammar is None
+    for bad in (-2, 1.5, "8"):
+        with pytest.raises(APIError) as e:
+            spec("qwen3", thinking_token_budget=bad)
+        assert e.value.param == "thinking_token_budget"
+    with pytest.raises(APIError) as e:  # without a parser there is no thinking to bound
+        spec(None, thinking_token_budget=8)
+    assert e.value.param == "thinking_token_budget"
 
 
 def test_prompt_left_open_starts_inside():
@@ -345,3 +397,15 @@ def test_streamed_choices_add_up_to_the_body_through_the_router(cluster_factory)
         assert deltas[-1]["finish_reason"] == choice["finish_reason"] == "length"
     assert streamed[-1]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"] == 18
     c.all_rpcs_ended()
+
+
+def test_a_forced_tool_call_and_a_regex_hold_after_the_thinking():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for kw in ({"tools": tools, "tool_choice": "required"},
+               {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+               {"structured_outputs": {"regex": "[0-9]{2}"}},
+               {"structured_outputs": {"choice": ["yes", "no"]}}):
+        s = spec("deepseek_r1", **kw)
+        assert s.grammar[0] == "llguidance" and validate(*s.grammar) is None, kw
+        grammars = json.loads(s.grammar[1])["grammars"]
+        assert grammars[1]["name"] == "pdmesh_answer" and "lark_grammar" in grammars[1]

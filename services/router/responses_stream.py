@@ -86,13 +86,7 @@ class EventStream:
             item_id = out.item_ids(self.rid)[0]
             if any(i["type"] == "message" for i in self.items):  # text again after a call: a new item
                 item_id += f"_{len(self.items)}"
-            item = out.message_item(item_id, "", "in_progress")
-            item["content"] = []
-            events += self._add(item)
-            part = out.text_part("")
-            item["content"].append(part)
-            events.append(self._event("response.content_part.added", item_id=item["id"],
-                                      output_index=len(self.items) - 1, content_index=0, part=part))
+            events += self._open_with_part(out.message_item(item_id, "", "in_progress"), out.text_part(""))
         if not text:
             return events
         self.open["content"][0]["text"] += text
@@ -105,15 +99,19 @@ class EventStream:
         if self.open is None or self.open["type"] != "reasoning":
             events += self._close()
             item = out.reasoning_item(out.reasoning_item_id(self.rid), "", "in_progress")
-            item["content"] = []
-            events += self._add(item)
-            part = out.reasoning_part("")
-            item["content"].append(part)
-            events.append(self._event("response.content_part.added", item_id=item["id"],
-                                      output_index=len(self.items) - 1, content_index=0, part=part))
+            events += self._open_with_part(item, out.reasoning_part(""))
         self.open["content"][0]["text"] += text
         events.append(self._event("response.reasoning_text.delta", item_id=self.open["id"],
                                   output_index=len(self.items) - 1, content_index=0, delta=text))
+        return events
+
+    def _open_with_part(self, item: dict[str, Any], part: dict[str, Any]) -> list[bytes]:
+        """The events that open `item` with its one content part: added empty, then the part."""
+        item["content"] = []
+        events = self._add(item)
+        item["content"].append(part)
+        events.append(self._event("response.content_part.added", item_id=item["id"],
+                                  output_index=len(self.items) - 1, content_index=0, part=part))
         return events
 
     def _call(self, call: dict[str, Any]) -> list[bytes]:

@@ -24,6 +24,8 @@ def model_card(router, name: str) -> dict[str, Any]:
         "max_model_len": router.info.context_length,
         # pdmesh extension: the format tool calls are parsed in (null: tools only with tool_choice none)
         "tool_call_parser": router.info.tool_parser,
+        # and the reasoning parser chat replies are split by (null: none, replies whole)
+        "reasoning_parser": router.info.reasoning_parser,
     }
 
 

@@ -250,6 +250,8 @@ THOUGHT = {"structured_outputs": {"regex": "<think>[a-z ]{3,24}</think>[a-z ]{3,
 
 
 def test_reasoning_is_told_apart(thinking, client, model):
+    assert thinking.models.retrieve(model).model_extra["reasoning_parser"] == "qwen3"
+    assert client.models.retrieve(model).model_extra["reasoning_parser"] is None
     kw = dict(model=model, messages=MESSAGES, max_tokens=80, seed=5, temperature=1.0, extra_body=THOUGHT)
     msg = thinking.chat.completions.create(**kw).choices[0].message
     extra = msg.model_extra

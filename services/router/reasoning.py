@@ -127,6 +127,11 @@ class ReasoningSplit:
         self._held = ""
         self.opened = inside  # the reply has a reasoning part (possibly empty)
 
+    @property
+    def thinking(self) -> bool:
+        """Inside the thought (or at a reply's start that is)."""
+        return self._state in (_LEAD_INSIDE, _INSIDE)
+
     def feed(self, text: str) -> tuple[str, str]:
         if not text:
             return "", ""

@@ -87,6 +87,12 @@ class ResponseState:
         self.reasoning = (ReasoningSplit(spec.reasoning_inside)
                           if spec.kind == "chat" and spec.reasoning_parser and spec.stream else None)
         self._reasoning_text = ""  # for the next delta_chunk
+        # usage's reasoning_tokens: each generated token whose text is (or ends) the thought, told
+        # by a split of its own fed token by token, streamed or not (a tag written as text counts
+        # from its last token)
+        self._thinking = (ReasoningSplit(spec.reasoning_inside)
+                          if spec.kind == "chat" and spec.reasoning_parser else None)
+        self.reasoning_tokens = 0
         self._text_template: list[bytes] | None = None  # delta_event's event bytes around the text
         # vLLM's return_token_ids: every generated id (the one that stopped decode too, as counted
         # in usage), and those not yet sent in a stream
@@ -97,7 +103,7 @@ class ResponseState:
         self.prompt_lp: PromptLogprobs | None = None
         # nothing asked for but the text: feed_each's per-token path can skip what feed() checks
         self._plain = (spec.logprobs is None and not spec.return_token_ids and self.tool_stream is None
-                       and self.reasoning is None and not spec.echo_only and not spec.echo
+                       and self._thinking is None and not spec.echo_only and not spec.echo
                        and not spec.continuous_usage)
 
     @property
@@ -131,6 +137,8 @@ class ResponseState:
             # The token that made decode stop (eos or a stop_token_id) is counted but not shown.
             if not (chunk.finish_reason == "stop" and i == n - 1):
                 texts.append(self.out.add(token))
+                if self._thinking is not None:
+                    self._count_thinking(texts[-1])
             else:
                 self.stop_reason = self._stop_token_reason(token)
             if self.spec.logprobs is not None:
@@ -160,6 +168,12 @@ class ResponseState:
                 text, deltas = text + more, deltas + last
             self._tool_deltas += deltas
         return text, entries
+
+    def _count_thinking(self, piece: str) -> None:
+        was = self._thinking.thinking
+        self._thinking.feed(piece)
+        if was or self._thinking.thinking:
+            self.reasoning_tokens += 1
 
     def _split_reasoning(self, text: str) -> str:
         """The content part of a piece of a streamed reply; its reasoning part waits for the next
@@ -245,21 +259,27 @@ class ResponseState:
         cached: dict[int, int] = {}
         for s in states:
             cached[id(s.spec)] = max(cached.get(id(s.spec), 0), s.cached_tokens or 0)
-        return {
+        out = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
         }
+        if self._thinking is not None:  # with a reasoning parser, as vLLM and OpenAI report it
+            out["completion_tokens_details"] = {"reasoning_tokens": sum(s.reasoning_tokens for s in states)}
+        return out
 
     def own_usage(self) -> dict[str, int]:
         """This choice's usage so far (continuous_usage_stats, as vLLM reports it per choice)."""
-        return {
+        out = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens or 0},
         }
+        if self._thinking is not None:
+            out["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
+        return out
 
     # --- logprobs -----------------------------------------------------------------------------
 

@@ -32,8 +32,8 @@ def usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
         "input_tokens_details": {"cached_tokens": (chat_usage.get("prompt_tokens_details") or {})
                                  .get("cached_tokens", 0)},
         "output_tokens": chat_usage["completion_tokens"],
-        # the reasoning's tokens are not counted apart from the answer's (--reasoning-parser splits text)
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": (chat_usage.get("completion_tokens_details") or {})
+                                  .get("reasoning_tokens", 0)},
         "total_tokens": chat_usage["total_tokens"],
     }
 

@@ -334,6 +334,7 @@ def test_a_grammar_holds_after_a_free_thought(mesh, thinking, model):
         msg = out.choices[0].message
         assert msg.model_extra["reasoning"] and msg.content, (msg, out.choices[0].finish_reason)
         check(msg.content)
+        assert 0 < out.usage.completion_tokens_details.reasoning_tokens < out.usage.completion_tokens
 
 
 def test_mesh_is_clean_afterwards(mesh):

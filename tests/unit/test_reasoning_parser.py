@@ -409,3 +409,40 @@ def test_a_forced_tool_call_and_a_regex_hold_after_the_thinking():
         assert s.grammar[0] == "llguidance" and validate(*s.grammar) is None, kw
         grammars = json.loads(s.grammar[1])["grammars"]
         assert grammars[1]["name"] == "pdmesh_answer" and "lark_grammar" in grammars[1]
+
+
+def _tokens_in_thought(text: str, thought_end: int) -> int:
+    """How many of `text`'s tokens begin before `thought_end` (the end of its </think>)."""
+    ids, count, seen = ids_of(text), 0, ""
+    for token in ids:
+        if len(seen) < thought_end:
+            count += 1
+        seen += TOK.decode([token])
+    return count
+
+
+def ids_of(text: str) -> list[int]:
+    return TOK.encode(text, add_special_tokens=False)
+
+
+def test_usage_counts_the_reasoning_tokens():
+    reply = "Two and two.</think>Four, as ever."
+    expected = _tokens_in_thought(reply, reply.index("</think>") + len("</think>"))
+    assert 0 < expected < len(ids_of(reply))
+    body = body_of(spec("deepseek_r1"), reply)
+    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": expected}
+    # streamed: the same count in the usage chunk, and per chunk with continuous usage
+    s = spec("deepseek_r1", stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    state = ResponseState(s, TOK, STRINGS, "r1")
+    running = []
+    for step in state.feed_each(Chunk(ids_of(reply), [], "length")):
+        payload = state.delta_chunk(*step)
+        if payload is not None:
+            running.append(payload["usage"]["completion_tokens_details"]["reasoning_tokens"])
+    assert running == sorted(running) and running[-1] == expected
+    assert state.usage_chunk()["usage"]["completion_tokens_details"] == {"reasoning_tokens": expected}
+    # the Responses API reports the same; without a parser there is no breakdown
+    assert responses_output.from_chat(body, {})["usage"]["output_tokens_details"]["reasoning_tokens"] == expected
+    assert "completion_tokens_details" not in body_of(spec(None), reply)["usage"]
+    # a reply that does not think: 0
+    assert body_of(spec("qwen3"), "No thought.")["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}

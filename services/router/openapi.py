@@ -194,6 +194,10 @@ class ChatCompletionRequest(_Sampling):
     include_reasoning: bool | None = Field(
         None, description="vLLM extension: false leaves the reasoning out of the reply (with --reasoning-parser; "
                           "without one only true is accepted)")
+    thinking_token_budget: int | None = Field(
+        None, ge=-1, le=1 << 20,
+        description="vLLM extension: the most tokens the model may think before </think> is forced (with "
+                    "--reasoning-parser; -1: no bound)")
 
 
 class InputTextPart(_Body):

@@ -238,10 +238,10 @@ ROUTER_FLAGS = [
          "a 400, as vLLM without the flag, while required, a named function and none still work"),
     Flag("reasoning-parser", str, "",
          "tell a reasoning model's thinking (<think>...</think>) apart from its answer in chat replies, as "
-         "vLLM's flag: deepseek_r1 (the reply starts thinking; DeepSeek-R1, QwQ) or qwen3 (thinking when the "
-         "reply opens <think> or the prompt leaves one open; Qwen3); the thinking goes to message.reasoning "
-         "and reasoning_content; empty: replies are left whole",
-         choices=("", "deepseek_r1", "deepseek-r1", "qwen3")),
+         "vLLM's flag: deepseek_r1 (the reply starts thinking; DeepSeek-R1, QwQ), qwen3, deepseek_v3 or glm45 "
+         "(thinking when the reply opens <think> or the prompt leaves one open; Qwen3, DeepSeek-V3.1, "
+         "GLM-4.5); the thinking goes to message.reasoning and reasoning_content; empty: replies are left whole",
+         choices=("", "deepseek_r1", "deepseek-r1", "qwen3", "deepseek_v3", "deepseek-v3", "glm45")),
     Flag("api-key", str, "",
          "require 'Authorization: Bearer KEY' when set; several keys, comma-separated (or a JSON list), are "
          "each accepted, as vLLM's flag takes several: a rotation accepts the old key and the new one until "

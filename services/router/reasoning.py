@@ -9,10 +9,11 @@ Where a reply starts:
 - deepseek_r1: inside the reasoning. R1's templates open <think> in the prompt, or the model writes
   it first; a leading <think> is dropped. A reply with no </think> is all reasoning (cut by
   max_tokens, or a model that never stopped thinking).
-- qwen3: inside the reasoning when the prompt ends with an open <think> (a thinking-only template,
-  or an assistant turn continued mid-thought); otherwise as content, and a <think> at the very start
-  of the reply opens the reasoning. Qwen3's hybrid templates with enable_thinking false end the
-  prompt with an empty <think></think>: thinking is off and the reply is all content.
+- qwen3 (and deepseek_v3, glm45): inside the reasoning when the prompt ends with an open <think>
+  (a thinking-only template, DeepSeek-V3.1's with `thinking` on, an assistant turn continued
+  mid-thought); otherwise as content, and a <think> at the very start of the reply opens the
+  reasoning. A prompt that ends with a closed thought (Qwen3's and GLM-4.5's hybrid templates with
+  enable_thinking false, DeepSeek-V3.1's without `thinking`) has thinking off: the reply is content.
 
 A request's grammar (structured output, a forced tool call) holds after the thinking, as vLLM
 applies it: `think_first` makes one llguidance grammar of a free thought (required when the reply
@@ -31,9 +32,11 @@ from services.common.tokenizer import Tokenizer
 from services.router.tools import marker_term
 
 OPEN, CLOSE = "<think>", "</think>"
-# parser name → whether a reply starts inside the reasoning whatever the prompt says
-PARSERS = {"deepseek_r1": True, "qwen3": False}
-ALIASES = {"deepseek-r1": "deepseek_r1"}  # SGLang's spelling
+# parser name → whether a reply starts inside the reasoning whatever the prompt says. The others
+# read the prompt: DeepSeek-V3.1's template ends with <think> when `thinking` is on and with
+# </think> when off; GLM-4.5's, as Qwen3's, closes an empty thought when thinking is off.
+PARSERS = {"deepseek_r1": True, "qwen3": False, "deepseek_v3": False, "glm45": False}
+ALIASES = {"deepseek-r1": "deepseek_r1", "deepseek-v3": "deepseek_v3"}  # SGLang's spellings
 FLAG_CHOICES = ("", *PARSERS, *ALIASES)
 # vLLM's request fields a parser makes meaningful
 REQUEST_FIELDS = frozenset({"include_reasoning", "thinking_token_budget"})

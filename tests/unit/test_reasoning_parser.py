@@ -84,12 +84,28 @@ def test_where_a_reply_starts():
     assert thinking_mode("qwen3", "<|im_start|>assistant\n") == MAY_OPEN
     # an earlier turn's closed thought is not the end of the prompt
     assert thinking_mode("qwen3", "</think>ok<|im_end|>\n<|im_start|>assistant\n") == MAY_OPEN
+    # DeepSeek-V3.1: its template opens a thought with `thinking`, closes one without
+    assert thinking_mode("deepseek_v3", "<｜Assistant｜><think>") == INSIDE
+    assert thinking_mode("deepseek_v3", "<｜Assistant｜></think>") == OFF
+    assert thinking_mode("glm45", "<|assistant|>\n<think></think>\n") == OFF
+    assert thinking_mode("glm45", "<|assistant|>") == MAY_OPEN
+
+
+def test_a_template_switch_decides_the_thinking():
+    # DeepSeek-V3.1's way: chat_template_kwargs.thinking opens or closes the thought in the prompt
+    template = "{{ messages[0].content }}<｜Assistant｜>{% if thinking %}<think>{% else %}</think>{% endif %}"
+    on = spec("deepseek_v3", chat_template=template, chat_template_kwargs={"thinking": True})
+    off = spec("deepseek_v3", chat_template=template, chat_template_kwargs={"thinking": False})
+    assert on.reasoning_inside and not off.reasoning_inside
+    assert body_of(on, "hmm</think>Yes.")["choices"][0]["message"]["reasoning"] == "hmm"
+    assert body_of(off, "Yes.")["choices"][0]["message"]["reasoning"] is None
 
 
 def test_flag_values():
     assert parser_name("") is None
     assert parser_name("deepseek-r1") == "deepseek_r1"
     assert parser_name("qwen3") == "qwen3"
+    assert parser_name("deepseek-v3") == "deepseek_v3" and parser_name("glm45") == "glm45"
     with pytest.raises(ValueError):
         parser_name("granite")
     flag = next(f for f in ROUTER_FLAGS if f.name == "reasoning-parser")

@@ -130,6 +130,13 @@ class ReasoningSplit:
         self._held = ""
         self.opened = inside  # the reply has a reasoning part (possibly empty)
 
+    def reply(self, reasoning: str, content: str) -> tuple[str | None, str | None]:
+        """A whole reply's (reasoning, content), from all the pieces this split gave: reasoning None
+        when the reply has no reasoning part; content None when a reply with one has nothing after
+        it (as vLLM answers both)."""
+        reasoning = reasoning if self.opened else None
+        return reasoning, (None if reasoning is not None and not content else content)
+
     @property
     def thinking(self) -> bool:
         """Inside the thought (or at a reply's start that is)."""
@@ -176,14 +183,3 @@ def _partial_tail(text: str, tag: str) -> int:
         if text.endswith(tag[:n]):
             return n
     return 0
-
-
-def split_whole(text: str, inside: bool) -> tuple[str | None, str | None]:
-    """A whole reply's (reasoning, content): reasoning None when the reply has no reasoning part;
-    content None when a reply with one has nothing after it (as vLLM answers both)."""
-    split = ReasoningSplit(inside)
-    r1, c1 = split.feed(text)
-    r2, c2 = split.finish()
-    reasoning = r1 + r2 if split.opened else None
-    content = c1 + c2
-    return reasoning, (None if reasoning is not None and not content else content)

@@ -26,7 +26,7 @@ from services.router.json_codec import dumps
 from services.router.orchestrator import Chunk
 from services.router.output import OutputText, TokenStrings
 from services.router.protocol import GenerateSpec
-from services.router.reasoning import ReasoningSplit, split_whole
+from services.router.reasoning import ReasoningSplit
 from services.router.sse import sse_event
 from services.router.tool_parsers import ToolFormat, get_format
 
@@ -82,16 +82,15 @@ class ResponseState:
             get_format(spec.tool_parser) if spec.kind == "chat" and spec.tool_parser else None)
         self.tool_stream = self.tool_format.stream() if self.tool_format and spec.stream else None
         self._tool_deltas: list[dict[str, Any]] = []  # for the next delta_chunk
-        # a streamed chat reply's reasoning, split from its content as the text comes; the body's
-        # is split whole (_message)
+        # a chat reply's reasoning, split from its content token by token as the text comes: a
+        # stream's goes out with the next delta_chunk, a body's is kept whole (_message); usage's
+        # reasoning_tokens counts each token whose text is (or ends) the thought (a tag written as
+        # text counts from its last token)
         self.reasoning = (ReasoningSplit(spec.reasoning_inside)
-                          if spec.kind == "chat" and spec.reasoning_parser and spec.stream else None)
-        self._reasoning_text = ""  # for the next delta_chunk
-        # usage's reasoning_tokens: each generated token whose text is (or ends) the thought, told
-        # by a split of its own fed token by token, streamed or not (a tag written as text counts
-        # from its last token)
-        self._thinking = (ReasoningSplit(spec.reasoning_inside)
                           if spec.kind == "chat" and spec.reasoning_parser else None)
+        self._reasoning_text = ""  # for the next delta_chunk
+        self._thought: list[str] = []  # a body's reasoning and content pieces
+        self._answer: list[str] = []
         self.reasoning_tokens = 0
         self._text_template: list[bytes] | None = None  # delta_event's event bytes around the text
         # vLLM's return_token_ids: every generated id (the one that stopped decode too, as counted
@@ -103,7 +102,7 @@ class ResponseState:
         self.prompt_lp: PromptLogprobs | None = None
         # nothing asked for but the text: feed_each's per-token path can skip what feed() checks
         self._plain = (spec.logprobs is None and not spec.return_token_ids and self.tool_stream is None
-                       and self._thinking is None and not spec.echo_only and not spec.echo
+                       and self.reasoning is None and not spec.echo_only and not spec.echo
                        and not spec.continuous_usage)
 
     @property
@@ -136,9 +135,8 @@ class ResponseState:
             offset = len(self.spec.echo_text) + self.out.released_chars
             # The token that made decode stop (eos or a stop_token_id) is counted but not shown.
             if not (chunk.finish_reason == "stop" and i == n - 1):
-                texts.append(self.out.add(token))
-                if self._thinking is not None:
-                    self._count_thinking(texts[-1])
+                piece = self.out.add(token)
+                texts.append(piece if self.reasoning is None else self._split(piece, True))
             else:
                 self.stop_reason = self._stop_token_reason(token)
             if self.spec.logprobs is not None:
@@ -150,11 +148,12 @@ class ResponseState:
                 self.stop_reason = self.out.matched_stop
                 break
         if chunk.finish_reason and not self.out.stopped and not self.spec.echo_only:
-            texts.append(self.out.finish())
+            tail = self.out.finish()
+            texts.append(tail if self.reasoning is None else self._split(tail, False))
             self.finish_reason = chunk.finish_reason
+        if self.reasoning is not None and self.finished:
+            texts.append(self._split(None, False))  # what the split still held back
         text = "".join(texts)
-        if self.reasoning is not None:
-            text = self._split_reasoning(text)
         if self._echo_pending:
             text = self.spec.echo_text + text
             self._echo_pending = False
@@ -169,20 +168,18 @@ class ResponseState:
             self._tool_deltas += deltas
         return text, entries
 
-    def _count_thinking(self, piece: str) -> None:
-        was = self._thinking.thinking
-        self._thinking.feed(piece)
-        if was or self._thinking.thinking:
+    def _split(self, piece: str | None, token: bool) -> str:
+        """The content part of one piece of the reply (None: the end, what the split held back);
+        its reasoning part waits for the next delta_chunk, or the body (dropped when the request
+        set include_reasoning false). `token`: the piece is one generated token's text."""
+        was = self.reasoning.thinking
+        reasoning, content = self.reasoning.finish() if piece is None else self.reasoning.feed(piece)
+        if token and (was or self.reasoning.thinking):
             self.reasoning_tokens += 1
-
-    def _split_reasoning(self, text: str) -> str:
-        """The content part of a piece of a streamed reply; its reasoning part waits for the next
-        delta_chunk (dropped when the request set include_reasoning false)."""
-        reasoning, content = self.reasoning.feed(text)
-        if self.finished:
-            more, last = self.reasoning.finish()
-            reasoning, content = reasoning + more, content + last
-        if self.spec.include_reasoning:
+        if not self.spec.stream:
+            self._thought.append(reasoning)
+            self._answer.append(content)
+        elif self.spec.include_reasoning:
             self._reasoning_text += reasoning
         return content
 
@@ -265,7 +262,7 @@ class ResponseState:
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
         }
-        if self._thinking is not None:  # with a reasoning parser, as vLLM and OpenAI report it
+        if self.reasoning is not None:  # with a reasoning parser, as vLLM and OpenAI report it
             out["completion_tokens_details"] = {"reasoning_tokens": sum(s.reasoning_tokens for s in states)}
         return out
 
@@ -277,7 +274,7 @@ class ResponseState:
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens or 0},
         }
-        if self._thinking is not None:
+        if self.reasoning is not None:
             out["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
         return out
 
@@ -402,8 +399,8 @@ class ResponseState:
 
     def _message(self) -> tuple[dict[str, Any], str | None]:
         message: dict[str, Any] = {"role": "assistant", "content": self.text, "refusal": None}
-        if self.spec.reasoning_parser is not None:
-            reasoning, content = split_whole(self.out.text, self.spec.reasoning_inside)
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.reply("".join(self._thought), "".join(self._answer))
             if self.spec.echo:
                 content = self.spec.echo_text + (content or "")
             message["content"] = content

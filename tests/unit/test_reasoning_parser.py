@@ -31,7 +31,6 @@ from services.router.reasoning import (
     OFF,
     ReasoningSplit,
     parser_name,
-    split_whole,
     think_first,
     thinking_mode,
 )
@@ -57,6 +56,13 @@ CASES = [
     ("<thi", False, None, "<thi"),
     ("</thi", True, "</thi", None),
 ]
+
+
+def split_whole(text: str, inside: bool) -> tuple[str | None, str | None]:
+    split = ReasoningSplit(inside)
+    r1, c1 = split.feed(text)
+    r2, c2 = split.finish()
+    return split.reply(r1 + r2, c1 + c2)
 
 
 @pytest.mark.parametrize(("text", "inside", "reasoning", "content"), CASES)

@@ -30,6 +30,7 @@ from services.router import (
     errors,
     extra_routes,
     generation_routes,
+    messages_route,
     model_routes,
     openapi,
     responses_route,
@@ -96,4 +97,5 @@ def create_app(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> 
                     settings.allowed_headers, settings.allow_credentials)
     extra_routes.register(app, router)
     responses_route.register(app, router)
+    messages_route.register(app, router)
     return app

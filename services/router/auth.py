@@ -1,5 +1,5 @@
-"""The client API keys (--api-key): `Authorization: Bearer KEY` with one of them, compared in
-constant time. Several keys (comma-separated, or a JSON list) let a rotation accept the old key
+"""The client API keys (--api-key): `Authorization: Bearer KEY` with one of them — or `x-api-key:
+KEY`, the header Anthropic's clients send —, compared in constant time. Several keys (comma-separated, or a JSON list) let a rotation accept the old key
 and the new one at once."""
 
 from __future__ import annotations
@@ -24,12 +24,16 @@ def check_api_key(keys: Sequence[str], request: Request) -> None:
     """401 unless the request carries one of `keys` (api_keys(); none: every request passes)."""
     if not keys:
         return
-    header = request.headers.get("authorization", "")
-    scheme, _, given = header.partition(" ")
-    given_bytes = given.strip().encode()
+    given: list[bytes] = []
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer":
+        given.append(token.strip().encode())
+    if "x-api-key" in request.headers:
+        given.append(request.headers["x-api-key"].strip().encode())
     # every key is compared, so the time taken says nothing of which one (or how much of it) matched
     matched = False
     for key in keys:
-        matched |= hmac.compare_digest(given_bytes, key.encode())
-    if scheme.lower() != "bearer" or not matched:
+        for candidate in given:
+            matched |= hmac.compare_digest(candidate, key.encode())
+    if not matched:
         raise errors.unauthorized()

@@ -105,7 +105,7 @@ def json_type(value: Any) -> str:
 def unauthorized() -> APIError:
     return APIError(
         401,
-        "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
+        "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>' (or 'x-api-key: <key>').",
         code="invalid_api_key",
     )
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import tomllib
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,23 @@ def version() -> str:
             return tomllib.loads(PYPROJECT.read_text(encoding="utf-8"))["project"]["version"]
         except (OSError, KeyError, ValueError):
             return "unknown"
+
+
+async def serve_json(router: Any, request: Request, handler: Callable[[Any], dict[str, Any]]) -> Response:
+    """A request answered from its JSON body alone, without the workers: API key, the body under
+    the router's bounds, then `handler(body)` (in a thread when the body is large or brings its
+    own chat template, which may take a while to render); an APIError is its error response."""
+    try:
+        router.check_auth(request)
+        body, size = await router.read_json(request)
+        if size > PARSE_IN_THREAD_BYTES or (isinstance(body, dict) and body.get("chat_template") is not None):
+            out = await asyncio.to_thread(handler, body)
+        else:
+            out = handler(body)
+    except APIError as e:
+        return router.error_response(e)
+    router.count(200)
+    return JSONResponse(out)
 
 
 def register(app: FastAPI, router: Any) -> None:
@@ -77,28 +95,15 @@ def register(app: FastAPI, router: Any) -> None:
             check_ids(tokens, info.tokenizer.vocab_size, "tokens")
         return {"prompt": info.tokenizer.decode(tokens, skip_special_tokens=False)}
 
-    async def serve(request: Request, handler) -> Response:
-        try:
-            router.check_auth(request)
-            body, size = await router.read_json(request)
-            if size > PARSE_IN_THREAD_BYTES or (isinstance(body, dict) and body.get("chat_template") is not None):
-                out = await asyncio.to_thread(handler, body)
-            else:
-                out = handler(body)
-        except APIError as e:
-            return router.error_response(e)
-        router.count(200)
-        return JSONResponse(out)
-
     @app.post("/tokenize", responses={200: {"description": "{count, max_model_len, tokens, token_strs}"}})
     async def tokenize_route(request: Request) -> Response:
         """vLLM's /tokenize: a prompt or chat messages → token ids."""
-        return await serve(request, tokenize)
+        return await serve_json(router, request, tokenize)
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> Response:
         """vLLM's /detokenize: token ids → text."""
-        return await serve(request, detokenize)
+        return await serve_json(router, request, detokenize)
 
     @app.get("/version")
     async def version_route() -> Response:

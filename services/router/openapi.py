@@ -274,7 +274,89 @@ class ResponsesRequest(_Body):
     store: Literal[False] | None = Field(None, description="Only false: nothing is stored (true is a 400)")
 
 
-MODELS = (CompletionRequest, ChatCompletionRequest, ResponsesRequest)
+class MessagesText(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class MessagesToolResult(_Body):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[MessagesText] | None = None
+    is_error: bool | None = Field(None, description="true: the model reads the result as 'Error: ' + its text")
+
+
+class MessagesToolUse(_Body):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class MessagesThinking(_Body):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = Field(None, description="Not checked: this server signs nothing")
+
+
+class MessagesMessage(_Body):
+    role: Literal["user", "assistant"]
+    content: str | list[MessagesText | MessagesToolResult | MessagesToolUse | MessagesThinking]
+
+
+class MessagesTool(_Body):
+    type: Literal["custom"] | None = None
+    name: str = Field(pattern=NAME_PATTERN.pattern)
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class MessagesToolChoice(_Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = Field(None, description="Required when type is 'tool'")
+    disable_parallel_tool_use: bool | None = None
+
+
+class MessagesThinkingConfig(_Body):
+    type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = Field(None, ge=1, description="Required when enabled (needs --reasoning-parser)")
+
+
+class MessagesJsonFormat(_Body):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class MessagesOutputConfig(_Body):
+    effort: Literal[REASONING_EFFORTS] | None = None  # type: ignore[valid-type]
+    format: MessagesJsonFormat | None = None
+
+
+class CountTokensRequest(_Body):
+    """Anthropic's messages.count_tokens (services/router/messages_route.py)."""
+
+    model: str | None = Field(None, description="The served model name (see GET /v1/models); left out, the model this router serves")
+    messages: list[MessagesMessage] = Field(min_length=1)
+    system: str | list[MessagesText] | None = None
+    tools: list[MessagesTool] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
+    tool_choice: MessagesToolChoice | None = None
+    thinking: MessagesThinkingConfig | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    """Anthropic's Messages API (services/router/messages_request.py)."""
+
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    stream: bool | None = None
+    output_config: MessagesOutputConfig | None = None
+    metadata: dict[str, Any] | None = Field(None, description="Informational")
+
+
+MODELS = (CompletionRequest, ChatCompletionRequest, ResponsesRequest, CountTokensRequest, MessagesRequest)
 
 
 def component_schemas(model_names: list[str]) -> dict[str, Any]:

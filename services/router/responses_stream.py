@@ -23,11 +23,11 @@ no `[DONE]` line, as in OpenAI's stream.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 from services.router import responses_output as out
+from services.router.chat_sse_rewrite import rewrite
 from services.router.json_codec import dumps
 
 
@@ -185,30 +185,6 @@ class EventStream:
         return events
 
 
-async def translate_sse(chat_events: AsyncIterator[bytes], echo: dict[str, Any]) -> AsyncIterator[bytes]:
+def translate_sse(chat_events: AsyncIterator[bytes], echo: dict[str, Any]) -> AsyncIterator[bytes]:
     """The Responses events of a chat SSE byte stream; closing this closes the chat stream."""
-    stream = EventStream(echo)
-    pending = b""
-    try:
-        async for data in chat_events:
-            pending += data
-            *whole, pending = pending.split(b"\n\n")
-            events: list[bytes] = []
-            for event in whole:
-                if event.startswith(b":"):  # a keep-alive comment: the client's connection needs it as much
-                    events.append(event + b"\n\n")
-                    continue
-                if not event.startswith(b"data: "):
-                    continue
-                body = event[len(b"data: "):]
-                if body == b"[DONE]":
-                    events += stream.finish()
-                else:
-                    events += stream.feed(json.loads(body))
-            if events:
-                yield b"".join(events)
-        tail = stream.finish()
-        if tail:
-            yield b"".join(tail)
-    finally:
-        await chat_events.aclose()  # type: ignore[attr-defined]
+    return rewrite(chat_events, EventStream(echo))

@@ -1,4 +1,5 @@
-"""OpenAI's Responses API with the `openai` SDK's own client, through router + prefill + decode.
+"""OpenAI's Responses API with the `openai` SDK's own client, and Anthropic's Messages API with
+the `anthropic` SDK's, through router + prefill + decode (the two share these meshes).
 
 On the built-in model, greedy (temperature 0), so each answer is compared with what the chat
 route answers for the same conversation:
@@ -12,6 +13,10 @@ route answers for the same conversation:
   `function_call` and `function_call_output` items, and the model answers in a `message`;
 - `text.format` json_schema: the reply parses and validates;
 - refusals (store true, previous_response_id) are 400s naming the field.
+The Messages API the same way: the reply's text equals the chat route's, streamed and not; usage
+splits the chat's prompt tokens into computed and cache-read ones, and count_tokens counts the same
+prompt; a stop sequence is named; a forced tool call comes back as a `tool_use` block valid against
+its schema and goes back with its `tool_result`; `output_config.format` holds.
 Afterwards every queue gauge is 0 and every KV pool whole.
 """
 
@@ -24,6 +29,7 @@ import pytest
 from tests.integration.mesh import mesh_with_router
 
 openai = pytest.importorskip("openai")
+anthropic = pytest.importorskip("anthropic")
 jsonschema = pytest.importorskip("jsonschema")
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -169,4 +175,104 @@ def test_stateful_requests_are_refused(mesh):
         with pytest.raises(openai.BadRequestError) as e:
             client.responses.create(model=MODEL, input="hi", max_output_tokens=4, **extra)
         assert e.value.body["param"] == next(iter(extra))
+    m.assert_invariants()
+
+
+# --- Anthropic's Messages API -------------------------------------------------------------------
+
+# long enough that the conversation's prompt fills whole KV pages the prefix cache can give back
+SYSTEM = "You are a careful assistant. " * 4 + INSTRUCTIONS
+
+
+def _anthropic(url: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def messages_client(mesh):
+    m, openai_client = mesh
+    return m, openai_client, _anthropic(str(openai_client.base_url).removesuffix("/v1/"))
+
+
+def test_messages_text_equals_chat_streamed_and_not(messages_client):
+    m, chat, client = messages_client
+    want = chat.chat.completions.create(model=MODEL, temperature=0, max_tokens=24, messages=[
+        {"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}])
+    kw = dict(model=MODEL, system=SYSTEM, max_tokens=24, messages=[{"role": "user", "content": QUESTION}],
+              extra_body={"temperature": 0}, metadata={"user_id": "test"})
+    msg = client.messages.create(**kw)
+    assert msg.type == "message" and msg.role == "assistant" and msg.model == MODEL and msg.id.startswith("msg_")
+    assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == want.choices[0].message.content
+    assert msg.stop_reason == ("max_tokens" if want.choices[0].finish_reason == "length" else "end_turn")
+    usage = msg.usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == want.usage.prompt_tokens
+    assert usage.output_tokens == want.usage.completion_tokens and usage.cache_creation_input_tokens == 0
+    # the same conversation again: its whole pages come from the prefix cache, and say so
+    again = client.messages.create(**kw).usage
+    assert again.cache_read_input_tokens >= 16 and again.input_tokens + again.cache_read_input_tokens == (
+        want.usage.prompt_tokens)
+    counted = client.messages.count_tokens(model=MODEL, system=SYSTEM, messages=[{"role": "user", "content": QUESTION}])
+    assert counted.input_tokens == want.usage.prompt_tokens
+
+    with client.messages.stream(**kw) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == msg.content[0].text and final.content[0].text == text
+    assert final.stop_reason == msg.stop_reason and final.usage.output_tokens == usage.output_tokens
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == want.usage.prompt_tokens
+    m.assert_invariants()
+
+
+def test_messages_stop_sequence_is_named(messages_client):
+    m, _, client = messages_client
+    kw = dict(model=MODEL, system=SYSTEM, max_tokens=24, messages=[{"role": "user", "content": QUESTION}],
+              extra_body={"temperature": 0})
+    whole = client.messages.create(**kw).content[0].text
+    stop = whole[len(whole) // 2:][:2]  # a piece of what greedy decoding writes: the reply stops ahead of it
+    cut = client.messages.create(**kw, stop_sequences=[stop])
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    text = cut.content[0].text if cut.content else ""  # an empty reply has no text block
+    assert whole.startswith(text) and stop not in text
+    m.assert_invariants()
+
+
+def test_messages_tool_round_trip(tools_mesh):
+    m, chat, model = tools_mesh
+    client = _anthropic(str(chat.base_url).removesuffix("/v1/"))
+    tools = [{"name": "get_weather", "description": "Weather for a city", "input_schema": WEATHER}]
+    kw = dict(model=model, max_tokens=80, tools=tools, tool_choice={"type": "tool", "name": "get_weather"},
+              messages=[{"role": "user", "content": "What is the weather in Paris?"}], extra_body={"temperature": 0})
+    first = client.messages.create(**kw)
+    assert first.stop_reason == "tool_use" and [b.type for b in first.content] == ["tool_use"]
+    call = first.content[0]
+    assert call.name == "get_weather" and call.id
+    jsonschema.validate(call.input, WEATHER)
+    # streamed: the input arrives as JSON deltas that add up to the same call (greedy)
+    with client.messages.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    partial = "".join(e.delta.partial_json for e in events
+                      if e.type == "content_block_delta" and e.delta.type == "input_json_delta")
+    assert json.loads(partial) == call.input and final.content[0].input == call.input
+    assert final.stop_reason == "tool_use"
+    # the round trip: the call and its result go back; the model answers in text
+    follow = client.messages.create(model=model, max_tokens=16, tools=tools, tool_choice={"type": "none"},
+                                    extra_body={"temperature": 0}, messages=[
+                                        {"role": "user", "content": "What is the weather in Paris?"},
+                                        {"role": "assistant", "content": [call.model_dump(exclude_none=True)]},
+                                        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                                                      "content": json.dumps({"temperature": 21})}]}])
+    assert [b.type for b in follow.content] == ["text"]
+    follow_prompt = follow.usage.input_tokens + follow.usage.cache_read_input_tokens
+    assert follow_prompt > first.usage.input_tokens + first.usage.cache_read_input_tokens
+    m.assert_invariants()
+
+
+def test_messages_output_format(messages_client):
+    m, _, client = messages_client
+    out = client.messages.create(model=MODEL, max_tokens=120, messages=[{"role": "user", "content": "A record?"}],
+                                 output_config={"format": {"type": "json_schema", "schema": RECORD}},
+                                 extra_body={"temperature": 0})
+    assert out.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(out.content[0].text), RECORD)
     m.assert_invariants()

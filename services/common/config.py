@@ -243,9 +243,9 @@ ROUTER_FLAGS = [
          "GLM-4.5); the thinking goes to message.reasoning and reasoning_content; empty: replies are left whole",
          choices=("", "deepseek_r1", "deepseek-r1", "qwen3", "deepseek_v3", "deepseek-v3", "glm45")),
     Flag("api-key", str, "",
-         "require 'Authorization: Bearer KEY' when set; several keys, comma-separated (or a JSON list), are "
-         "each accepted, as vLLM's flag takes several: a rotation accepts the old key and the new one until "
-         "clients have moved"),
+         "require 'Authorization: Bearer KEY' (or 'x-api-key: KEY', as Anthropic's clients send it) when set; "
+         "several keys, comma-separated (or a JSON list), are each accepted, as vLLM's flag takes several: a "
+         "rotation accepts the old key and the new one until clients have moved"),
     Flag("allowed-origins", str, ["*"],
          "origins whose web pages may call the API from a browser (CORS), as vLLM's flag: * is every "
          "origin, an empty value none.", repeatable=True),

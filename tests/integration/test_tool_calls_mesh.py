@@ -28,6 +28,7 @@ from services.router.tools import marker_term
 from tests.integration.mesh import mesh_with_router
 
 openai = pytest.importorskip("openai")
+anthropic = pytest.importorskip("anthropic")
 jsonschema = pytest.importorskip("jsonschema")
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -335,6 +336,45 @@ def test_a_grammar_holds_after_a_free_thought(mesh, thinking, model):
         assert msg.model_extra["reasoning"] and msg.content, (msg, out.choices[0].finish_reason)
         check(msg.content)
         assert 0 < out.usage.completion_tokens_details.reasoning_tokens < out.usage.completion_tokens
+
+
+@pytest.fixture(scope="module")
+def r1(mesh):
+    """A third router on the same workers, with DeepSeek-R1's parser: every reply starts inside
+    its thought. The Anthropic client and the openai one on it."""
+    m, _, folder, ps, ds = mesh
+    r = m.start_router(ps, ds, "--model", str(folder), "--request-timeout", "60", "--reasoning-parser", "deepseek_r1")
+    return (anthropic.Anthropic(base_url=r.http_url, api_key="unused", max_retries=0, timeout=90),
+            openai.OpenAI(base_url=r.http_url + "/v1", api_key="unused", max_retries=0, timeout=90))
+
+
+def test_messages_thinking_blocks(mesh, r1, model):
+    client, chat = r1
+    # Anthropic's thinking budget is vLLM's thinking_token_budget: the thought is cut after 5 tokens,
+    # then the answer follows (greedy, so both routes write the same)
+    want = chat.chat.completions.create(model=model, messages=MESSAGES, max_tokens=40, temperature=0,
+                                        extra_body={"thinking_token_budget": 5}).choices[0].message
+    assert want.model_extra["reasoning"] and want.content
+    kw = dict(model=model, messages=MESSAGES, max_tokens=40, extra_body={"temperature": 0},
+              thinking={"type": "enabled", "budget_tokens": 5})
+    msg = client.messages.create(**kw)
+    assert [b.type for b in msg.content] == ["thinking", "text"], msg
+    assert msg.content[0].thinking == want.model_extra["reasoning"] and msg.content[1].text == want.content
+    with client.messages.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    deltas = [e.delta for e in events if e.type == "content_block_delta"]
+    assert "".join(d.thinking for d in deltas if d.type == "thinking_delta") == msg.content[0].thinking
+    assert "".join(d.text for d in deltas if d.type == "text_delta") == msg.content[1].text
+    assert [b.type for b in final.content] == ["thinking", "text"] and final.usage.output_tokens == msg.usage.output_tokens
+    # display omitted: the answer alone
+    quiet = client.messages.create(**{**kw, "thinking": {"type": "enabled", "budget_tokens": 5, "display": "omitted"}})
+    assert [b.type for b in quiet.content] == ["text"] and quiet.content[0].text == want.content
+    # the thought goes back with its turn (the chat message's reasoning_content) and the conversation goes on
+    follow = client.messages.create(model=model, max_tokens=4, extra_body={"temperature": 0}, messages=[
+        *MESSAGES, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]},
+        {"role": "user", "content": "And tomorrow?"}])
+    assert follow.content and follow.usage.output_tokens == 4
 
 
 def test_mesh_is_clean_afterwards(mesh):

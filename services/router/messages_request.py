@@ -7,7 +7,8 @@ is a 400 naming the Messages field.
 
 What maps where:
   system (a string or text blocks) and any `system` message -> one system message first
-  messages: user text blocks -> a user message;  tool_result blocks -> tool messages (ahead of
+  messages: user text blocks -> a user message; a final assistant message with text is the
+    reply's beginning (Anthropic's prefill: continue_final_message, the reply holds what follows);  tool_result blocks -> tool messages (ahead of
     the user's text, right after the assistant message that made the calls);  assistant text ->
     content, tool_use -> tool_calls, thinking -> reasoning_content (the chat template's field)
   max_tokens (required) -> max_tokens;  stop_sequences -> stop;  temperature, top_p, top_k
@@ -95,6 +96,10 @@ def translate(body: Any, *, count_only: bool = False) -> MessagesRequest:
     system = _system(body)
     origins: list[str] = ["system"] * len(system)
     chat: dict[str, Any] = {"model": model, "messages": system + _messages(body, origins)}
+    last = chat["messages"][-1]
+    if last["role"] == "assistant" and last["content"] and "tool_calls" not in last:
+        # Anthropic's prefill: the reply continues the final assistant text rather than starting a turn
+        chat["continue_final_message"] = True
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None:
         if not isinstance(kwargs, dict):

@@ -236,6 +236,17 @@ def test_messages_stop_sequence_is_named(messages_client):
     m.assert_invariants()
 
 
+def test_messages_prefill_is_continued(messages_client):
+    m, chat, client = messages_client
+    turns = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "The number"}]
+    want = chat.chat.completions.create(model=MODEL, temperature=0, max_tokens=12, messages=turns,
+                                        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    msg = client.messages.create(model=MODEL, max_tokens=12, messages=turns, extra_body={"temperature": 0})
+    # the reply holds what follows the prefill, as Anthropic's does
+    assert msg.content[0].text == want.choices[0].message.content
+    m.assert_invariants()
+
+
 def test_messages_tool_round_trip(tools_mesh):
     m, chat, model = tools_mesh
     client = _anthropic(str(chat.base_url).removesuffix("/v1/"))

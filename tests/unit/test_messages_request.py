@@ -76,6 +76,16 @@ def test_a_tool_round_trip_becomes_chat_messages_in_template_order():
     assert req.field("messages[3].content") == "messages[2]"
 
 
+def test_a_final_assistant_text_is_continued():
+    prefill = [{"role": "user", "content": "JSON please"}, {"role": "assistant", "content": [{"type": "text", "text": "{"}]}]
+    assert translate(body(messages=prefill)).chat["continue_final_message"] is True
+    assert translate(body(messages=[*prefill[:1], {"role": "assistant", "content": "{"}])).chat["continue_final_message"]
+    # a turn that ends in a call, or an earlier assistant turn, is not continued
+    call = {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}
+    assert "continue_final_message" not in translate(body(messages=[prefill[0], call])).chat
+    assert "continue_final_message" not in translate(body(messages=[*prefill, {"role": "user", "content": "x"}])).chat
+
+
 def test_tools_tool_choice_thinking_and_output_config():
     tools = [{"name": "get_weather", "description": "Weather", "input_schema": WEATHER,
               "cache_control": {"type": "ephemeral"}}, {"type": "custom", "name": "t2", "input_schema": WEATHER,

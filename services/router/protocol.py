@@ -295,7 +295,10 @@ def _stop(body: dict, vocab_size: int) -> tuple[list[str], list[int]]:
         strings: list[str] = []
     elif isinstance(stop, str):
         strings = [stop]
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+    elif isinstance(stop, list):
+        bad = next((i for i, s in enumerate(stop) if not isinstance(s, str)), None)
+        if bad is not None:  # name the element: "got an array" would not say what is wrong with it
+            raise invalid_type(f"stop[{bad}]", "a string", stop[bad])
         strings = list(stop)
     else:
         raise invalid_type("stop", "a string or an array of strings", stop)

@@ -138,7 +138,7 @@ def test_echo():
         ({"seed": "x"}, "seed"),
         ({"seed": 2**64}, "seed"),
         ({"stop": 3}, "stop"),
-        ({"stop": ["a", 3]}, "stop"),
+        ({"stop": ["a", 3]}, "stop[1]"),
         ({"stop": ["s"] * 17}, "stop"),
         ({"stop_token_ids": [99999]}, "stop_token_ids"),
         ({"stop_token_ids": "1"}, "stop_token_ids"),

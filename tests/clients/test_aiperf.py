@@ -4,8 +4,12 @@ are sent (AIPerf disconnects). AIPerf reports no error but those cancellations, 
 reach the workers (their aborted-requests counters grow), every session's later turns carry a
 longer prompt than its first, and afterwards every pdmesh queue gauge is 0 and the KV pools whole.
 
-`make test` runs the short profile; the long one (`-m long`, `make clients-test`) runs more
-sessions, turns and concurrency.
+Over the OpenAI chat route, and over Anthropic's Messages API (`--endpoint-type messages`: the
+conversation's system prompt top-level, streamed `content_block_delta` events, usage split into
+computed and cache-read tokens, which AIPerf adds back up into the prompt's length).
+
+`make test` runs the short profile on both; the long one (`-m long`, `make clients-test`) runs
+more sessions, turns and concurrency, on the chat route.
 """
 
 from __future__ import annotations
@@ -33,18 +37,19 @@ def aborted_total(mesh) -> float:
     return sum(scrape_metrics(p.http_url).get(ABORTED, 0.0) for p in mesh.procs if p.role in ("prefill", "decode"))
 
 
-@pytest.mark.parametrize("size", [
-    pytest.param("short", marks=pytest.mark.timeout(420)),
-    pytest.param("long", marks=[pytest.mark.long, pytest.mark.timeout(900)]),
+@pytest.mark.parametrize("size, endpoint", [
+    pytest.param("short", "chat", marks=pytest.mark.timeout(420)),
+    pytest.param("short", "messages", marks=pytest.mark.timeout(420)),
+    pytest.param("long", "chat", marks=[pytest.mark.long, pytest.mark.timeout(900)]),
 ])
-def test_aiperf_streaming_multi_turn_with_cancellations(pd_router, tmp_path, size):
+def test_aiperf_streaming_multi_turn_with_cancellations(pd_router, tmp_path, size, endpoint):
     m, router = pd_router
     prof = PROFILES[size]
     out_dir = tmp_path / "aiperf"
     aborted_before = aborted_total(m)
     run_client([
         str(CLIENTS_BIN / "aiperf"), "profile", "--model", MODEL, "--url", router.http_url,
-        "--endpoint-type", "chat", "--streaming",
+        "--endpoint-type", endpoint, "--streaming",
         # a local folder: AIPerf cannot load one with HF_HUB_OFFLINE=1 set, so the env leaves it out
         "--tokenizer", str(BUILTIN_MODEL_DIR),
         "--conversation-num", str(prof["sessions"]), "--conversation-turn-mean", str(prof["turns"]),
@@ -82,7 +87,7 @@ def test_aiperf_streaming_multi_turn_with_cancellations(pd_router, tmp_path, siz
     later = [(t[0], t[k]) for t in by_session.values() if 0 in t for k in t if k > 0]
     assert later, by_session
     assert all(b > a for a, b in later), by_session
-    print(f"aiperf {size}: {len(completed)} completed, {len(cancelled)} cancelled, "
+    print(f"aiperf {size} {endpoint}: {len(completed)} completed, {len(cancelled)} cancelled, "
           f"TTFT avg {summary['time_to_first_token']['avg']:.1f} ms, "
           f"throughput {summary['output_token_throughput']['avg']:.1f} tok/s")
     assert aborted_total(m) > aborted_before, "no cancellation reached a worker"

@@ -236,6 +236,13 @@ ROUTER_FLAGS = [
          "serve tool_choice auto (the default when a request has tools: the reply is free and parsed for "
          "calls in --tool-call-parser's format), as vLLM's flag; --no-enable-auto-tool-choice refuses it with "
          "a 400, as vLLM without the flag, while required, a named function and none still work"),
+    Flag("response-role", str, "assistant",
+         "the role of a chat reply (message.role, the first delta's role) when the chat template adds a "
+         "generation prompt, as vLLM's flag; a request that continues its last message (continue_final_message, "
+         "add_generation_prompt false) gets that message's role"),
+    Flag("max-logprobs", int, 20,
+         "the most alternatives a request may ask for per token (logprobs, top_logprobs, prompt_logprobs), as "
+         "vLLM's flag: more is a 400 naming the field; 0 to 20 (the workers return at most 20)"),
     Flag("reasoning-parser", str, "",
          "tell a reasoning model's thinking (<think>...</think>) apart from its answer in chat replies, as "
          "vLLM's flag: deepseek_r1 (the reply starts thinking; DeepSeek-R1, QwQ), qwen3, deepseek_v3 or glm45 "

@@ -1,5 +1,6 @@
 """The served model's controls with vLLM's names: --served-model-name (several), --max-model-len,
---chat-template, --generation-config, --override-generation-config. Read once at start; pure apart from reading the model folder.
+--chat-template, --generation-config, --override-generation-config, --max-logprobs. Read once at
+start; pure apart from reading the model folder.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Any
 
 from services.common.sampling_params import api_fields
 from services.common.tokenizer import BUILTIN_RANDOM, GENERATION_CONFIG_FILE, resolve_model_path
-from services.router.protocol import GENERATION_DEFAULTS
+from services.router.protocol import GENERATION_DEFAULTS, MAX_LOGPROBS
 
 GENERATION_CONFIG_CHOICES = ("auto", "vllm")  # or a folder holding generation_config.json
 # --override-generation-config: each key's (least, most, whole numbers only): the range a request's
@@ -37,6 +38,14 @@ def max_model_len(flag: int, model_limit: int) -> int:
     if flag > model_limit:
         raise ValueError(f"--max-model-len {flag} is more than the model's max_position_embeddings ({model_limit})")
     return flag or model_limit
+
+
+def max_logprobs(flag: int) -> int:
+    """--max-logprobs: 0 to the workers' own most (vLLM's -1, the whole vocabulary, they cannot return)."""
+    if not 0 <= flag <= MAX_LOGPROBS:
+        raise ValueError(f"--max-logprobs must be between 0 and {MAX_LOGPROBS} (the workers return at most "
+                         f"{MAX_LOGPROBS} alternatives a token), got {flag}")
+    return flag
 
 
 def chat_template(flag: str) -> str | None:

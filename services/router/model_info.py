@@ -83,5 +83,7 @@ def served_model(settings: RouterSettings, tokenizer: Tokenizer,
                      tokens_as_ids=settings.return_tokens_as_token_ids,
                      reasoning_parser=reasoning.parser_name(settings.reasoning_parser),
                      auto_tool_choice=settings.enable_auto_tool_choice,
+                     response_role=settings.response_role,
+                     max_logprobs=model_controls.max_logprobs(settings.max_logprobs),
                      limits=RequestLimits(settings.max_grammar_bytes, settings.max_request_worker_bytes))
     return names, info

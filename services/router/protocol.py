@@ -90,6 +90,8 @@ class ModelInfo:
     # --reasoning-parser: chat replies' thinking told apart from their content (services/router/reasoning.py)
     reasoning_parser: str | None = None
     auto_tool_choice: bool = True  # --enable-auto-tool-choice: tool_choice auto is served
+    response_role: str = "assistant"  # --response-role: a chat reply's role after a generation prompt
+    max_logprobs: int = MAX_LOGPROBS  # --max-logprobs: alternatives a request may ask for per token
 
 
 @dataclass
@@ -123,6 +125,7 @@ class GenerateSpec:
     grammar_param: str = ""  # the request field the grammar came from, for errors about it
     # The reply's tool-call format when it is parsed for calls (tools given, tool_choice not none).
     tool_parser: str | None = None
+    role: str = "assistant"  # a chat reply's role (--response-role, or the continued message's)
     # tool_choice named a function: a reply that makes the call finishes "stop", as OpenAI and vLLM
     # answer a forced named call ("tool_calls" is for auto and required)
     tool_named: bool = False
@@ -417,7 +420,7 @@ def _common(body: dict, info: ModelInfo, kind: str) -> dict[str, Any]:
     kw["request_id"], kw["session_id"] = _ids_of_request(body)
     kw["tokens_as_ids"] = get_bool(body, "return_tokens_as_token_ids", info.tokens_as_ids)
     kw["return_token_ids"] = get_bool(body, "return_token_ids", False)
-    kw["prompt_logprobs"] = _prompt_logprobs(body, kw["stream"])
+    kw["prompt_logprobs"] = _prompt_logprobs(body, kw["stream"], info.max_logprobs)
     kw["cache_salt"] = _cache_salt(body)
     kw["stream_interval"] = get_int(body, "stream_interval", 1, 1, MAX_STREAM_INTERVAL)
     found = structured_output_field(body, kw["ignore_eos"], info.limits)
@@ -425,10 +428,10 @@ def _common(body: dict, info: ModelInfo, kind: str) -> dict[str, Any]:
     return kw
 
 
-def _prompt_logprobs(body: dict, stream: bool) -> int | None:
-    """vLLM's prompt_logprobs: 0..MAX_LOGPROBS alternatives (vLLM's -1, the whole vocabulary, is
+def _prompt_logprobs(body: dict, stream: bool, max_logprobs: int) -> int | None:
+    """vLLM's prompt_logprobs: 0..--max-logprobs alternatives (vLLM's -1, the whole vocabulary, is
     above this server's max). vLLM refuses them on a stream; so does this router."""
-    k = get_int(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)
+    k = get_int(body, "prompt_logprobs", None, 0, max_logprobs)
     if k is not None and stream:
         raise bad_request("'prompt_logprobs' is not available when 'stream' is true.", param="prompt_logprobs",
                           code="invalid_value")
@@ -498,7 +501,7 @@ def parse_completion(body: Any, info: ModelInfo) -> GenerateSpec:
     model = served_model(body, info)
     body = _with_defaults(body, info)
     kw = _common(body, info, "completion")
-    logprobs = get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    logprobs = get_int(body, "logprobs", None, 0, info.max_logprobs)
     echo = get_bool(body, "echo", False)
     asked = body
     body = _echo_only(body, echo)
@@ -561,7 +564,7 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerateSpec:
     tools = parse_tools(body, info.tool_parser, info.tokenizer, info.limits, info.auto_tool_choice)
     kw = _common(body, info, "chat")
     want_logprobs = get_bool(body, "logprobs", False)
-    top_logprobs = get_int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    top_logprobs = get_int(body, "top_logprobs", None, 0, info.max_logprobs)
     if top_logprobs is not None and not want_logprobs:
         raise bad_request(
             "'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs", code="invalid_value"
@@ -585,9 +588,13 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerateSpec:
     check_prompt_logprobs_size(len(ids), kw["prompt_logprobs"], "messages")
     echoed = echo_text(body, messages)
     reasoning = _reasoning(body, info, ids, kw)
+    # vLLM's rule: after a generation prompt the reply is --response-role's; a continued
+    # message keeps its own role
+    generation_prompt = get_bool(body, "add_generation_prompt", not get_bool(body, "continue_final_message", False))
     return GenerateSpec(
         **reasoning,
         kind="chat",
+        role=info.response_role if generation_prompt else messages[-1]["role"],
         model=model,
         prompt_ids=ids,
         max_tokens=max_tokens,

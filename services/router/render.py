@@ -398,7 +398,7 @@ class ResponseState:
         return finish_reason
 
     def _message(self) -> tuple[dict[str, Any], str | None]:
-        message: dict[str, Any] = {"role": "assistant", "content": self.text, "refusal": None}
+        message: dict[str, Any] = {"role": self.spec.role, "content": self.text, "refusal": None}
         if self.reasoning is not None:
             reasoning, content = self.reasoning.reply("".join(self._thought), "".join(self._answer))
             if self.spec.echo:
@@ -495,7 +495,7 @@ class ResponseState:
         """Chat streams open with the assistant role and empty content, as OpenAI's do (with
         return_token_ids, the prompt's ids ride on it, as vLLM's first chunk)."""
         obj = self._chunk(
-            [{"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            [{"index": self.index, "delta": {"role": self.spec.role, "content": ""}, "logprobs": None,
               "finish_reason": None}]
         )
         if self.spec.return_token_ids:

@@ -397,7 +397,11 @@ def test_prefill_failure_cancels_decode_then_503_after_one_retry(cluster):
     assert time.monotonic() - t0 < 3
     assert len(cluster.prefills[0].seen.rooms) == 2  # one retry (same pair: there is no other)
     cluster.all_rpcs_ended()
-    assert cluster.decodes[0].seen.cancelled == 2
+    # both calls go out at once; on a loaded machine the prefill's failure can come back before a
+    # decode call has reached the worker, and the router then drops it unsent. Each one that did
+    # reach it was cancelled: none waited out its KV
+    decode = cluster.decodes[0].seen
+    assert decode.cancelled == len(decode.rooms) <= 2
 
 
 def test_invalid_argument_from_worker_is_400_without_retry(cluster):

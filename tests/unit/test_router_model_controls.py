@@ -1,6 +1,6 @@
 """The served model's controls with vLLM's names: several --served-model-name, --max-model-len,
---chat-template, generation_config.json defaults and --override-generation-config, and a default
-max_tokens the decode pool holds."""
+--chat-template, generation_config.json defaults and --override-generation-config, --max-logprobs,
+--response-role, and a default max_tokens the decode pool holds."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from services.common.builtin_tokenizer import BuiltinTokenizer
 from services.router import model_controls
+from services.router.errors import APIError
 from services.router.protocol import ModelInfo, parse_chat, parse_completion
 from tests.unit.test_router_app import cluster_factory  # noqa: F401 - fixture
 from tests.unit.test_tokenizer import build_llama3_folder
@@ -122,4 +123,44 @@ def test_router_applies_the_override_to_requests_that_leave_the_field_out(cluste
     assert httpx.post(c.url + "/v1/chat/completions", json=body).json()["usage"]["completion_tokens"] == 3
     own = httpx.post(c.url + "/v1/chat/completions", json={**body, "max_tokens": 5}).json()
     assert own["usage"]["completion_tokens"] == 5
+    c.all_rpcs_ended()
+
+
+def test_max_logprobs_caps_every_logprobs_field():
+    assert model_controls.max_logprobs(20) == 20 and model_controls.max_logprobs(0) == 0
+    for bad in (-1, 21):  # vLLM's -1 is the whole vocabulary, which the workers cannot return
+        with pytest.raises(ValueError, match="--max-logprobs"):
+            model_controls.max_logprobs(bad)
+    info = ModelInfo(name="m", tokenizer=TOK, context_length=64, max_logprobs=5)
+    assert parse_completion({"model": "m", "prompt": "x", "logprobs": 5, "prompt_logprobs": 5}, info).logprobs == 5
+    assert parse_chat({"model": "m", "messages": MSGS, "logprobs": True, "top_logprobs": 5}, info).logprobs == 5
+    for parse, body, field in [(parse_completion, {"prompt": "x", "logprobs": 6}, "logprobs"),
+                               (parse_completion, {"prompt": "x", "prompt_logprobs": 6}, "prompt_logprobs"),
+                               (parse_chat, {"messages": MSGS, "logprobs": True, "top_logprobs": 6}, "top_logprobs"),
+                               (parse_chat, {"messages": MSGS, "prompt_logprobs": 6}, "prompt_logprobs")]:
+        with pytest.raises(APIError) as e:
+            parse({"model": "m", **body}, info)
+        assert e.value.status == 400 and e.value.param == field and "at most 5" in e.value.message
+
+
+def test_response_role_after_a_generation_prompt_else_the_continued_message_s():
+    info = ModelInfo(name="m", tokenizer=TOK, context_length=64, response_role="bot")
+    assert parse_chat({"model": "m", "messages": MSGS}, info).role == "bot"
+    assert parse_chat({"model": "m", "messages": MSGS}, ModelInfo(name="m", tokenizer=TOK, context_length=64)).role \
+        == "assistant"
+    turns = [*MSGS, {"role": "assistant", "content": "Hel"}]
+    assert parse_chat({"model": "m", "messages": turns, "continue_final_message": True,
+                       "add_generation_prompt": False}, info).role == "assistant"
+    assert parse_chat({"model": "m", "messages": MSGS, "add_generation_prompt": False}, info).role == "user"
+
+
+def test_router_answers_with_the_response_role(cluster_factory):  # noqa: F811
+    c = cluster_factory(response_role="bot", max_logprobs=3)
+    body = {"model": c.router.info.name, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
+    assert httpx.post(c.url + "/v1/chat/completions", json=body).json()["choices"][0]["message"]["role"] == "bot"
+    with httpx.stream("POST", c.url + "/v1/chat/completions", json={**body, "stream": True}) as r:
+        first = next(line for line in r.iter_lines() if line.startswith("data: "))
+    assert json.loads(first[len("data: "):])["choices"][0]["delta"]["role"] == "bot"
+    r = httpx.post(c.url + "/v1/chat/completions", json={**body, "logprobs": True, "top_logprobs": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
     c.all_rpcs_ended()

@@ -7,10 +7,11 @@ is a 400 naming the Messages field.
 
 What maps where:
   system (a string or text blocks) and any `system` message -> one system message first
-  messages: user text blocks -> a user message; a final assistant message with text is the
-    reply's beginning (Anthropic's prefill: continue_final_message, the reply holds what follows);  tool_result blocks -> tool messages (ahead of
+  messages: user text blocks -> a user message;  tool_result blocks -> tool messages (ahead of
     the user's text, right after the assistant message that made the calls);  assistant text ->
-    content, tool_use -> tool_calls, thinking -> reasoning_content (the chat template's field)
+    content, tool_use -> tool_calls, thinking -> reasoning_content (the chat template's field);
+    a final assistant message with text is the reply's beginning (Anthropic's prefill:
+    continue_final_message, the reply holds what follows)
   max_tokens (required) -> max_tokens;  stop_sequences -> stop;  temperature, top_p, top_k
   tools [{name, description, input_schema, strict}] -> function tools
   tool_choice {type: auto | any | tool | none, name, disable_parallel_tool_use} -> tool_choice

@@ -236,6 +236,11 @@ ROUTER_FLAGS = [
          "serve tool_choice auto (the default when a request has tools: the reply is free and parsed for "
          "calls in --tool-call-parser's format), as vLLM's flag; --no-enable-auto-tool-choice refuses it with "
          "a 400, as vLLM without the flag, while required, a named function and none still work"),
+    Flag("scheduling-policy", str, "fcfs",
+         "the order in which the workers take waiting requests, as vLLM's flag: fcfs, arrival order (a request's "
+         "priority must be 0); priority, a request's `priority` first (lower is sooner; ties in arrival order), "
+         "and when decode's KV pool runs dry the highest value, latest arrival is retracted first",
+         choices=("fcfs", "priority")),
     Flag("response-role", str, "assistant",
          "the role of a chat reply (message.role, the first delta's role) when the chat template adds a "
          "generation prompt, as vLLM's flag; a request that continues its last message (continue_final_message, "

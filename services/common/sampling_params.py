@@ -114,6 +114,10 @@ class SamplingParams:
     # with the same salt share them (one tenant cannot probe another's prompts by timing). Not a
     # sampling control, but it travels with the request to every worker, attempts included.
     cache_salt: str = param("")
+    # vLLM's priority (router --scheduling-policy priority): the workers take waiting requests
+    # lowest value first, then in arrival order, and retract the highest value, latest first.
+    # Not a sampling control either; 0 for every request under the default fcfs policy.
+    priority: int = param(0, range=Range(-(1 << 31), (1 << 31) - 1))
 
     def __post_init__(self):
         for name, lo, hi, lo_open, rng in _RANGE_CHECKS:

@@ -1,8 +1,9 @@
 """Decode admission: KV pages for new rooms, the Attach to prefill, and quarantine.
 
-A room is admitted in arrival order once pages for its prompt (+1 token) are free; retracted
-requests come first (they arrived earlier and hold the batch's priority), so admission waits
-while any is retracted and is woken again when the last one resumes. Admission then attaches the room
+A room is admitted in order — vLLM's priority, then arrival — once pages for its prompt (+1
+token) are free; retracted requests come first (they were admitted earlier and hold their place
+in the batch), so admission waits while any is retracted and is woken again when the last one
+resumes. Admission then attaches the room
 to its prefill (decode's page ids travel in the Attach) and the job waits for its KV. A
 colocated job (no prefill) goes to PREFILLING instead: the scheduler computes its prompt.
 
@@ -72,7 +73,7 @@ class Admission:
         jobs = self.worker.jobs.values()
         if any(j.phase is Phase.RETRACTED for j in jobs):
             return  # retracted requests get freed pages first; their resume wakes us again
-        for job in sorted((j for j in jobs if j.phase is Phase.PREALLOC), key=lambda j: j.seq):
+        for job in sorted((j for j in jobs if j.phase is Phase.PREALLOC), key=lambda j: j.order):
             try:
                 self._take_pages(job)
             except OutOfPages:

@@ -100,7 +100,7 @@ class Job:
     token_ids: list[int]  # the prompt
     params: SamplingParams
     prefill_addr: str  # "" for a colocated job: no prefill worker, no KV transfer
-    seq: int  # arrival order: the priority for pages, batch slots and retraction
+    seq: int  # arrival order: after `priority`, the order for pages, batch slots and retraction
     out: asyncio.Queue  # Tokens | DecodeFailed, read by the servicer
     phase: Phase = Phase.PREALLOC
     ended_in: Phase | None = None  # the phase it was in when it finished
@@ -129,6 +129,12 @@ class Job:
     @property
     def colocated(self) -> bool:
         return not self.prefill_addr
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Its place for pages, batch slots and (last first) retraction: vLLM's priority (lower
+        first; 0 for every job unless the router's --scheduling-policy is priority), then arrival."""
+        return self.params.priority, self.seq
 
     @property
     def kv_tokens(self) -> list[int]:

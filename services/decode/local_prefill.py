@@ -2,7 +2,7 @@
 
 A Decode request with `colocated` set goes PREALLOC → PREFILLING (admission gives it the pages
 for its prompt + 1 token) → RUNNING. The scheduler alternates: one local prefill forward —
-chunks of the PREFILLING jobs in arrival order, at most `chunk_budget` tokens in all
+chunks of the PREFILLING jobs in order (priority, then arrival), at most `chunk_budget` tokens in all
 (--chunked-prefill-size, as prefill's scheduler does) — then one decode step of the running
 batch. A long prompt therefore spreads over several forwards with decode steps between them,
 the way a colocated engine with chunked prefill (SGLang, vLLM) interleaves them. A job whose
@@ -26,7 +26,7 @@ from services.engine.runner import PrefillItem
 def pick_chunks(jobs: Sequence[Job], budget: int) -> list[tuple[Job, int]]:
     """(job, tokens of its next chunk) for the PREFILLING jobs, oldest first, within `budget`."""
     batch: list[tuple[Job, int]] = []
-    for job in sorted((j for j in jobs if j.phase is Phase.PREFILLING), key=lambda j: j.seq):
+    for job in sorted((j for j in jobs if j.phase is Phase.PREFILLING), key=lambda j: j.order):
         if budget <= 0:
             break
         n = min(budget, len(job.token_ids) - job.prefilled)

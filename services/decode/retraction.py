@@ -1,10 +1,11 @@
 """Which running request gives up its KV pages when the decode pool runs out (pure, no torch).
 
 Decode grows a request's pages one at a time while it generates. When a request needs a page
-and none is free, the request that arrived last among those not yet scheduled in this step is
+and none is free, the request last in order among those not yet scheduled in this step is
 retracted (as vLLM and SGLang do): its pages return to the pool, it leaves the batch, and it
-resumes later by recomputing its KV (prompt + tokens generated so far) on decode itself.
-Arrival order is the priority, so the oldest requests always make progress.
+resumes later by recomputing its KV (prompt + tokens generated so far) on decode itself. The
+order is vLLM's priority, then arrival (arrival alone under the router's default fcfs policy),
+so the first requests in it always make progress.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ class Decision(Generic[T]):
 def choose_victim(needing: T, later: Sequence[T], batch_empty: bool, others_hold_pages: bool) -> Decision[T]:
     """Decide who gives up pages so that `needing` can grow by one page.
 
-    needing: the running request that needs a page (scheduled in arrival order).
+    needing: the running request that needs a page (scheduled in order: priority, arrival).
     later: running requests that arrived after it and are not in this step's batch yet
-        (in arrival order); the last of them is retracted first.
+        (in order); the last of them is retracted first.
     batch_empty: no earlier request was scheduled in this step (none holds pages we could
         wait for in the running batch).
     others_hold_pages: requests outside the running batch (waiting for their KV, quarantined)

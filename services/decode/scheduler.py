@@ -1,11 +1,12 @@
 """Decode's continuous-batching loop: schedule -> run -> postprocess, with retraction.
 
 Each pass first resumes retracted requests whose KV can be recomputed now, then builds a step's
-batch in arrival order (growing each request's pages by one when its next token needs it),
+batch in order — vLLM's priority, then arrival (`Job.order`; arrival alone under the router's
+default fcfs policy) — growing each request's pages by one when its next token needs it,
 runs one decode forward on the engine thread, and hands each sampled token to the worker.
 Colocated jobs (no prefill worker) get their prompt computed here: each pass runs one chunked
 local prefill forward before the decode step (services/decode/local_prefill.py).
-When the pool runs dry, the latest-arrived running request gives its pages back
+When the pool runs dry, the running request last in that order gives its pages back
 (services/decode/retraction.py) and later recomputes its KV from prompt + generated tokens.
 
 `in_forward` lists the jobs whose pages the engine is using right now; a job that finishes
@@ -42,7 +43,7 @@ class DecodeScheduler:
         self._work.set()
 
     def _jobs(self, phase: Phase) -> list[Job]:
-        return sorted((j for j in self.worker.jobs.values() if j.phase is phase), key=lambda j: j.seq)
+        return sorted((j for j in self.worker.jobs.values() if j.phase is phase), key=lambda j: j.order)
 
     async def loop(self) -> None:
         while True:
@@ -61,8 +62,8 @@ class DecodeScheduler:
 
     # --- schedule ----------------------------------------------------------------------------
     def _schedule(self) -> list[Job]:
-        """This step's batch in arrival order, each job's pages grown to fit its next token;
-        when the pool runs dry, later arrivals are retracted to make room."""
+        """This step's batch in order (priority, then arrival), each job's pages grown to fit its
+        next token; when the pool runs dry, jobs later in that order are retracted to make room."""
         batch: list[Job] = []
         running = self._jobs(Phase.RUNNING)
         for i, job in enumerate(running):
@@ -110,7 +111,7 @@ class DecodeScheduler:
         job.phase = Phase.RETRACTED
 
     async def _resume_retracted(self) -> None:
-        """Recompute the KV of retracted jobs (prompt + generated tokens, in arrival order) as
+        """Recompute the KV of retracted jobs (prompt + generated tokens, in order) as
         pages allow, then return them to the batch. The last generated token is not in the
         cache: the next decode step feeds it, exactly as for a job that never left."""
         retracted = self._jobs(Phase.RETRACTED)
@@ -127,7 +128,7 @@ class DecodeScheduler:
                 continue
             need = self.pool.pages_for_tokens(job.context_len)
             if self.pool.allocator.num_available < need + headroom:
-                break  # arrival order: a later job does not jump ahead of an earlier one
+                break  # in order: a later job does not jump ahead of an earlier one
             job.pages = self.pool.allocator.alloc(need, owner=job.room)
             resumed.append(job)
             headroom += 1

@@ -87,3 +87,9 @@ class Job:
     @property
     def remaining(self) -> int:
         return len(self.token_ids) - self.prefilled
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Its place among the waiting jobs: vLLM's priority (lower first; 0 for every job unless
+        the router's --scheduling-policy is priority), then arrival."""
+        return self.params.priority, self.seq

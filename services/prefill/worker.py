@@ -10,8 +10,9 @@ RPC once; the job's pages go back to the pool in `_release`, exactly once, and n
 forward still computes into them (the scheduler releases finished jobs when the forward returns).
 
 Scheduling (`_pick_batch`): jobs that already hold pages are scheduled first — they only need
-compute, and finishing them is what returns pages. Pages go to new jobs in arrival order; when
-the oldest waiting job cannot get its pages, no later job gets any either, so a stream of small
+compute, and finishing them is what returns pages. Pages go to new jobs in order — vLLM's
+priority (the router's --scheduling-policy priority; 0 for all under fcfs), then arrival; when
+the first waiting job cannot get its pages, no later job gets any either, so a stream of small
 prompts cannot starve a large one: the pages it needs come back as the jobs ahead finish.
 
 Prefix cache (services/engine/prefix_cache.py, --prefix-cache): when a job takes its pages it
@@ -217,7 +218,7 @@ class PrefillWorker:
     def _pick_batch(self) -> list[tuple[Job, int]]:
         """(job, tokens of its next chunk) under the chunk budget; see the module docstring."""
         ready = [j for j in self.jobs.values() if j.phase is Phase.QUEUED and self._state(j) == RoomState.WAITING_FOR_INPUT]
-        ready.sort(key=lambda j: (j.pages is None, j.seq))  # page holders first, then arrival order
+        ready.sort(key=lambda j: (j.pages is None, j.order))  # page holders first, then priority and arrival
         budget, batch = self.chunk_budget, []
         for job in ready:
             plan, _leader = self._plan(job)
@@ -229,7 +230,7 @@ class PrefillWorker:
                 try:
                     self._take_pages(job, followed=plan is Plan.FOLLOW)
                 except OutOfPages:
-                    break  # later arrivals wait too: the oldest gets the pages that come back
+                    break  # later jobs wait too: the first in order gets the pages that come back
                 if job.phase is Phase.READING:
                     continue  # its READ brings part of its prompt first; it computes the rest after
             n = min(budget, job.remaining)

@@ -84,6 +84,7 @@ def served_model(settings: RouterSettings, tokenizer: Tokenizer,
                      reasoning_parser=reasoning.parser_name(settings.reasoning_parser),
                      auto_tool_choice=settings.enable_auto_tool_choice,
                      response_role=settings.response_role,
+                     scheduling_policy=settings.scheduling_policy,
                      max_logprobs=model_controls.max_logprobs(settings.max_logprobs),
                      limits=RequestLimits(settings.max_grammar_bytes, settings.max_request_worker_bytes))
     return names, info

@@ -92,6 +92,7 @@ class ModelInfo:
     auto_tool_choice: bool = True  # --enable-auto-tool-choice: tool_choice auto is served
     response_role: str = "assistant"  # --response-role: a chat reply's role after a generation prompt
     max_logprobs: int = MAX_LOGPROBS  # --max-logprobs: alternatives a request may ask for per token
+    scheduling_policy: str = "fcfs"  # --scheduling-policy: priority lets requests set `priority`
 
 
 @dataclass
@@ -143,6 +144,8 @@ class GenerateSpec:
     # vLLM's cache_salt: the workers' prefix cache (and the router's index of it) keys this
     # request's pages under it, so only requests with the same salt share them ("": none)
     cache_salt: str = ""
+    # vLLM's priority: the workers' queues take lower values first (--scheduling-policy priority)
+    priority: int = 0
     # vLLM's stream_interval: a stream's events carry this many tokens each (the first and the last
     # go out at once); a non-streamed request ignores it
     stream_interval: int = 1
@@ -422,6 +425,7 @@ def _common(body: dict, info: ModelInfo, kind: str) -> dict[str, Any]:
     kw["return_token_ids"] = get_bool(body, "return_token_ids", False)
     kw["prompt_logprobs"] = _prompt_logprobs(body, kw["stream"], info.max_logprobs)
     kw["cache_salt"] = _cache_salt(body)
+    kw["priority"] = _priority(body, info.scheduling_policy)
     kw["stream_interval"] = get_int(body, "stream_interval", 1, 1, MAX_STREAM_INTERVAL)
     found = structured_output_field(body, kw["ignore_eos"], info.limits)
     kw["grammar"], kw["grammar_param"] = (found[1], found[0]) if found is not None else (None, "")
@@ -436,6 +440,17 @@ def _prompt_logprobs(body: dict, stream: bool, max_logprobs: int) -> int | None:
         raise bad_request("'prompt_logprobs' is not available when 'stream' is true.", param="prompt_logprobs",
                           code="invalid_value")
     return k
+
+
+def _priority(body: dict, policy: str) -> int:
+    """vLLM's priority: any 32-bit integer under --scheduling-policy priority (lower is served
+    first); under fcfs only 0, as vLLM refuses a priority its scheduler would not honour."""
+    priority = get_int(body, "priority", 0, -(1 << 31), (1 << 31) - 1)
+    if priority != 0 and policy != "priority":
+        raise bad_request("'priority' needs priority scheduling: the router serves requests in arrival order "
+                          "(--scheduling-policy fcfs); start it with --scheduling-policy priority.",
+                          param="priority", code="unsupported_value")
+    return priority
 
 
 def _cache_salt(body: dict) -> str:

@@ -40,7 +40,6 @@ REFUSED: dict[str, Refused] = {
     "prompt_embeds": Refused("prompt embeddings are not supported", kinds=frozenset({COMPLETION})),
     "media_io_kwargs": Refused("this model takes text only", kinds=frozenset({CHAT})),
     "mm_processor_kwargs": Refused("this model takes text only", kinds=frozenset({CHAT})),
-    "priority": Refused("priority scheduling is not supported", (None, 0)),
     "return_token_offsets": Refused("token offsets are not supported", (None, False)),
     "return_prompt_text": Refused("returning the rendered prompt is not supported", (None, False)),
     "return_mm_kwargs": Refused("this model takes text only", (None, True)),

@@ -9,8 +9,9 @@ from services.decode.jobs import Job, Phase
 from services.decode.local_prefill import pick_chunks
 
 
-def job(seq: int, prompt: int, prefilled: int = 0, phase: Phase = Phase.PREFILLING) -> Job:
-    j = Job(seq + 1, list(range(prompt)), SamplingParams(max_tokens=4), "", seq, asyncio.Queue(), phase=phase)
+def job(seq: int, prompt: int, prefilled: int = 0, phase: Phase = Phase.PREFILLING, priority: int = 0) -> Job:
+    j = Job(seq + 1, list(range(prompt)), SamplingParams(max_tokens=4, priority=priority), "", seq, asyncio.Queue(),
+            phase=phase)
     j.prefilled = prefilled
     return j
 
@@ -29,3 +30,10 @@ def test_only_prefilling_jobs_and_only_colocated_ones_exist_there():
     jobs = [job(0, 10, phase=Phase.RUNNING), job(1, 10, phase=Phase.PREALLOC), job(2, 10)]
     assert [(j.seq, n) for j, n in pick_chunks(jobs, 512)] == [(2, 10)]
     assert jobs[2].colocated and pick_chunks([], 512) == []
+
+
+def test_priority_first_then_arrival():
+    # vLLM's priority (the router's --scheduling-policy priority): lower values first
+    a, b, c = job(0, 300), job(1, 300, priority=-1), job(2, 300, priority=3)
+    assert [(j.seq, n) for j, n in pick_chunks([a, b, c], 512)] == [(1, 300), (0, 212)]
+    assert [j.order for j in (a, b, c)] == [(0, 0), (-1, 1), (3, 2)]

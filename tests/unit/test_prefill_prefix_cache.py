@@ -192,3 +192,29 @@ def test_a_job_asking_for_prompt_logprobs_does_not_read_the_cache(worker, engine
         w.finish(asking, PrefillResult(0, 0.0, len(ids), 0, 0.0))
 
     asyncio.run(go())
+
+
+def test_waiting_jobs_are_taken_by_priority_then_arrival(worker):
+    # a budget of one prompt a pass: each pass computes the first waiting job in order (the
+    # prompts differ, so that none finds another's pages in the cache and needs less)
+    w = worker
+    w.chunk_budget = len(HISTORY)
+
+    def prompt(room):
+        return [(room * 37 + i * 7) % 120 + 1 for i in range(len(HISTORY))]
+
+    async def run():
+        jobs = {room: w.submit(room, prompt(room), SamplingParams(temperature=0.0, priority=priority))
+                for room, priority in ((1, 0), (2, 5), (3, -1), (4, 0))}
+        taken = []
+        for _ in jobs:
+            batch = w._pick_batch()
+            assert len(batch) == 1
+            job = batch[0][0]
+            taken.append(job.room)
+            await w._run_batch(batch)
+            assert job.room in w.sender.sent  # computed whole: out of the queue
+            w.finish(job, PrefillResult(w.sender.sent[job.room][1], 0.0, len(HISTORY), 0, 0.0, None, 0))
+        return taken
+
+    assert asyncio.run(run()) == [3, 1, 4, 2]

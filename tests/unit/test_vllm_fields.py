@@ -50,7 +50,9 @@ VLLM_COMPLETION_FIELDS = (
 )
 
 TOK = load_tokenizer("builtin")
-INFO = ModelInfo(name="m", tokenizer=TOK, context_length=256, tool_parser="hermes")
+# --scheduling-policy priority, so that `priority` is served (under fcfs only 0 is: see
+# test_priority_needs_the_priority_policy)
+INFO = ModelInfo(name="m", tokenizer=TOK, context_length=256, tool_parser="hermes", scheduling_policy="priority")
 SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 EFFORT_TEMPLATE = "{{ reasoning_effort }}{% for m in messages %}{{ m.content }}{% endfor %}"
@@ -100,6 +102,7 @@ SHARED_EFFECTS = {
     "prompt_logprobs": ({}, 2, lambda s: _wire(s).prompt_logprobs),
     "cache_salt": ({}, "tenant-7f3a", lambda s: _wire(s).cache_salt),
     "stream_interval": ({"stream": True}, 4, lambda s: s.stream_interval),
+    "priority": ({}, -5, lambda s: _wire(s).priority),
 }
 CHAT_EFFECTS = {
     **SHARED_EFFECTS,
@@ -135,7 +138,7 @@ COMPLETION_EFFECTS = {
 REFUSED_VALUES = {
     "use_beam_search": True, "length_penalty": 0.5, "watermarking": True, "spaces_between_special_tokens": False,
     "logprob_token_ids": [1], "prompt_embeds": "AAAA", "media_io_kwargs": {"image": {}},
-    "mm_processor_kwargs": {"a": 1}, "priority": 1,
+    "mm_processor_kwargs": {"a": 1},
     "return_token_offsets": True, "return_prompt_text": True, "return_mm_kwargs": False,
     "routed_experts_prompt_start": 1, "kv_transfer_params": {"a": 1},
     "ec_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "repetition_detection": {"n": 3},
@@ -200,11 +203,25 @@ def test_openai_informational_fields_are_accepted(kind):
 
 
 def test_refused_defaults_sent_explicitly_are_accepted():
-    _chat(use_beam_search=False, length_penalty=1.0, priority=0, include_reasoning=True,
+    _chat(use_beam_search=False, length_penalty=1.0, include_reasoning=True,
           spaces_between_special_tokens=True, return_prompt_text=False, return_mm_kwargs=True)
     _completion(suffix="", thinking_token_budget=-1, routed_experts_prompt_start=0)
     with pytest.raises(APIError):
-        _chat(priority=True)  # a boolean is not the integer default
+        _chat(priority=True)  # a boolean is not an integer
+
+
+def test_priority_needs_the_priority_policy():
+    fcfs = replace(INFO, scheduling_policy="fcfs")
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+    assert parse_chat({**body, "priority": 0}, fcfs).priority == 0  # the default, sent explicitly
+    for parse, b in ((parse_chat, body), (parse_completion, {"model": "m", "prompt": "x"})):
+        with pytest.raises(APIError) as err:
+            parse({**b, "priority": 1}, fcfs)
+        assert err.value.status == 400 and err.value.param == "priority" and "--scheduling-policy" in err.value.message
+    for bad in (1 << 31, -(1 << 31) - 1, 1.5):  # vLLM's is a 32-bit integer
+        with pytest.raises(APIError):
+            _chat(priority=bad)
+    assert _chat(priority=-(1 << 31)).priority == -(1 << 31)
 
 
 # OpenAI's chat request (Create chat completion) beyond vLLM's list, and the deprecated pair refused

@@ -21,7 +21,7 @@ What maps where:
     budget; {type: disabled} -> enable_thinking false; display omitted -> include_reasoning false
   output_config {effort, format: {type: json_schema, schema}} (and the older top-level
     output_format) -> reasoning_effort, response_format json_schema
-  chat_template_kwargs, cache_salt (vLLM's) -> as on the chat route
+  chat_template_kwargs, cache_salt, priority (vLLM's) -> as on the chat route
   metadata.user_id, service_tier, cache_control (top-level, or on any block or tool):
     informational (the prefix cache keys pages by content whether a block is marked or not)
 
@@ -128,7 +128,7 @@ def translate(body: Any, *, count_only: bool = False) -> MessagesRequest:
             raise invalid_type("stop_sequences", "an array of strings", stops)
         if stops:
             chat["stop"] = stops  # each string and their number checked by the chat route
-    for name in ("temperature", "top_p", "top_k", "cache_salt"):
+    for name in ("temperature", "top_p", "top_k", "cache_salt", "priority"):
         if body.get(name) is not None:
             chat[name] = body[name]  # ranges and types checked by the chat route
     _output_config(body, chat)

@@ -12,7 +12,7 @@ What maps where:
   tools [{type: function, name, ...}] -> [{type: function, function: {name, ...}}];  tool_choice likewise
   text.format {type: json_object | json_schema, name, schema, strict} -> response_format
   reasoning.effort -> reasoning_effort (handed to the chat template, as the chat route does)
-  cache_salt (vLLM's) -> cache_salt
+  cache_salt, priority (vLLM's) -> cache_salt, priority
   metadata, user, safety_identifier, prompt_cache_key, service_tier, stream_options: informational
 Fields neither Responses nor vLLM defines are ignored, as on the other routes.
 """
@@ -63,7 +63,7 @@ def translate(body: Any) -> ResponsesRequest:
     max_output = get_int(body, "max_output_tokens", None, 1, UINT32_MAX)
     if max_output is not None:
         chat["max_tokens"] = max_output
-    for name in ("temperature", "top_p", "cache_salt"):
+    for name in ("temperature", "top_p", "cache_salt", "priority"):
         if body.get(name) is not None:
             chat[name] = body[name]  # ranges and types checked by the chat route
     tools = _tools(body.get("tools"))

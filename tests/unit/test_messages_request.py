@@ -30,9 +30,10 @@ def refused(b, param: str | None) -> APIError:
 
 def test_plain_request_maps_onto_chat():
     req = translate(body(system="Be brief.", stop_sequences=["\n\n"], temperature=0.2, top_p=0.9, top_k=5,
-                         metadata={"user_id": "u1"}, service_tier="auto", cache_control={"type": "ephemeral"}))
+                         metadata={"user_id": "u1"}, service_tier="auto", cache_control={"type": "ephemeral"},
+                         priority=-2))
     assert req.chat == {"model": "m", "max_tokens": 10, "stop": ["\n\n"], "temperature": 0.2, "top_p": 0.9,
-                        "top_k": 5, "messages": [{"role": "system", "content": "Be brief."},
+                        "top_k": 5, "priority": -2, "messages": [{"role": "system", "content": "Be brief."},
                                                  {"role": "user", "content": "hi"}]}
     assert req.model == "m" and not req.stream
     streamed = translate(body(stream=True))

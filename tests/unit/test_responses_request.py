@@ -87,9 +87,10 @@ def test_tools_tool_choice_format_effort():
     assert "response_format" not in chat_of(input="hi", text={"format": {"type": "text"}})
 
 
-def test_vllms_cache_salt_goes_to_the_chat_route():
+def test_vllms_cache_salt_and_priority_go_to_the_chat_route():
     assert chat_of(input="hi", cache_salt="tenant-1")["cache_salt"] == "tenant-1"
     assert "cache_salt" not in chat_of(input="hi", cache_salt=None)
+    assert chat_of(input="hi", priority=-3)["priority"] == -3
 
 
 def test_stream_asks_for_usage():

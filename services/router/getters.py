@@ -56,3 +56,18 @@ def get_bool(body: dict, name: str, default: bool) -> bool:
 
 def get_str(body: dict, name: str, default: Any) -> Any:
     return _typed(body, name, default, lambda v: isinstance(v, str), "a string")
+
+
+def get_list(body: dict, name: str, default: Any) -> Any:
+    return _typed(body, name, default, lambda v: isinstance(v, list), "an array")
+
+
+def required_str(obj: dict, key: str, where: str) -> str:
+    """A nested object's string field that must be there (`where` names the object, as
+    `input[2]`): absent or null, or not a string, is a 400 naming `where.key`."""
+    value = obj.get(key)
+    if value is None:
+        raise bad_request(f"'{where}.{key}' is required.", param=f"{where}.{key}", code="missing_required_parameter")
+    if not isinstance(value, str):
+        raise invalid_type(f"{where}.{key}", "a string", value)
+    return value

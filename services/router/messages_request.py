@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.router.errors import APIError, bad_request, each_object, invalid_type
-from services.router.getters import get_bool, get_int, get_str
+from services.router.getters import get_bool, get_int, get_list, get_str, required_str
 
 UINT32_MAX = (1 << 32) - 1
 ROLES = ("user", "assistant")
@@ -106,7 +106,7 @@ def translate(body: Any, *, count_only: bool = False) -> MessagesRequest:
         if not isinstance(kwargs, dict):
             raise invalid_type("chat_template_kwargs", "an object", kwargs)
         chat["chat_template_kwargs"] = dict(kwargs)
-    tools = _tools(body.get("tools"))
+    tools = _tools(body)
     if tools:
         chat["tools"] = tools
     _tool_choice(body.get("tool_choice"), chat)
@@ -168,7 +168,7 @@ def _system_texts(system: Any, where: str) -> list[str]:
         if block.get("type") != "text":
             raise bad_request(f"'{at}.type' must be 'text' in a system prompt.", param=f"{at}.type",
                               code="invalid_value")
-        text = _string(block, "text", at)
+        text = required_str(block, "text", at)
         if not text.startswith(PER_REQUEST_SYSTEM_PREFIX):
             texts.append(text)
     return texts
@@ -211,9 +211,9 @@ def _user(blocks: list, where: str, out: list[dict[str, Any]]) -> None:
     for at, block in each_object(blocks, where, "a content block object"):
         kind = block.get("type")
         if kind == "text":
-            texts.append(_string(block, "text", at))
+            texts.append(required_str(block, "text", at))
         elif kind == "tool_result":
-            out.append({"role": "tool", "tool_call_id": _string(block, "tool_use_id", at),
+            out.append({"role": "tool", "tool_call_id": required_str(block, "tool_use_id", at),
                         "content": _tool_result(block, at)})
         else:
             raise _unsupported_block(kind, at, "text, tool_result")
@@ -232,7 +232,7 @@ def _tool_result(block: dict, where: str) -> str:
         for at, part in each_object(content, f"{where}.content", "a content block object"):
             if part.get("type") != "text":
                 raise _unsupported_block(part.get("type"), at, "text")
-            parts.append(_string(part, "text", at))
+            parts.append(required_str(part, "text", at))
         text = "\n".join(parts)
     else:
         raise invalid_type(f"{where}.content", "a string or an array of text blocks", content)
@@ -251,9 +251,9 @@ def _assistant(blocks: list, where: str, out: list[dict[str, Any]]) -> None:
     for at, block in each_object(blocks, where, "a content block object"):
         kind = block.get("type")
         if kind == "text":
-            texts.append(_string(block, "text", at))
+            texts.append(required_str(block, "text", at))
         elif kind == "thinking":
-            thoughts.append(_string(block, "thinking", at))  # its signature is ours to ignore: never checked
+            thoughts.append(required_str(block, "thinking", at))  # its signature is ours to ignore: never checked
         elif kind == "tool_use":
             calls.append(_tool_use(block, at))
         elif kind == "redacted_thinking":
@@ -276,8 +276,8 @@ def _tool_use(block: dict, where: str) -> dict[str, Any]:
         arguments = {}
     if not isinstance(arguments, dict):
         raise invalid_type(f"{where}.input", "an object", arguments)
-    return {"id": _string(block, "id", where), "type": "function",
-            "function": {"name": _string(block, "name", where), "arguments": json.dumps(arguments)}}
+    return {"id": required_str(block, "id", where), "type": "function",
+            "function": {"name": required_str(block, "name", where), "arguments": json.dumps(arguments)}}
 
 
 def _nested(getter, obj: dict, where: str, name: str, *args: Any) -> Any:
@@ -297,25 +297,12 @@ def _unsupported_block(kind: Any, where: str, allowed: str):
                        code="unsupported_value")
 
 
-def _string(obj: dict, key: str, where: str) -> str:
-    value = obj.get(key)
-    if value is None:
-        raise bad_request(f"'{where}.{key}' is required.", param=f"{where}.{key}", code="missing_required_parameter")
-    if not isinstance(value, str):
-        raise invalid_type(f"{where}.{key}", "a string", value)
-    return value
-
-
 # --- tools, thinking, output -------------------------------------------------------------------
 
 
-def _tools(tools: Any) -> list[dict[str, Any]]:
-    if tools is None:
-        return []
-    if not isinstance(tools, list):
-        raise invalid_type("tools", "an array", tools)
+def _tools(body: dict) -> list[dict[str, Any]]:
     out = []
-    for where, tool in each_object(tools, "tools", "a tool object"):
+    for where, tool in each_object(get_list(body, "tools", []), "tools", "a tool object"):
         kind = tool.get("type")
         if kind not in (None, "custom"):
             raise bad_request(f"Tools of type {kind!r} are not supported: Anthropic's server tools run on its "
@@ -346,7 +333,7 @@ def _tool_choice(choice: Any, chat: dict[str, Any]) -> None:
     elif kind == "none":
         chat["tool_choice"] = "none"
     elif kind == "tool":
-        chat["tool_choice"] = {"type": "function", "function": {"name": _string(choice, "name", "tool_choice")}}
+        chat["tool_choice"] = {"type": "function", "function": {"name": required_str(choice, "name", "tool_choice")}}
     else:
         raise bad_request(f"Invalid value for 'tool_choice.type': {kind!r}. Supported values are: auto, any, tool, "
                           "none.", param="tool_choice.type", code="invalid_value")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.router.errors import bad_request, each_object, invalid_type
-from services.router.getters import get_bool, get_int, get_str
+from services.router.getters import get_bool, get_int, get_list, get_str, required_str
 
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text")
@@ -66,7 +66,7 @@ def translate(body: Any) -> ResponsesRequest:
     for name in ("temperature", "top_p", "cache_salt", "priority"):
         if body.get(name) is not None:
             chat[name] = body[name]  # ranges and types checked by the chat route
-    tools = _tools(body.get("tools"))
+    tools = _tools(body)
     if tools:
         chat["tools"] = tools
     choice = _tool_choice(body.get("tool_choice"))
@@ -150,7 +150,7 @@ def _messages(body: dict) -> list[dict[str, Any]]:
         elif kind == "function_call":
             _function_call(item, where, out)
         elif kind == "function_call_output":
-            out.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
+            out.append({"role": "tool", "tool_call_id": required_str(item, "call_id", where),
                         "content": _output_text(item.get("output"), f"{where}.output")})
         elif kind == "item_reference":
             raise bad_request(f"'{where}': item references need stored items, and this server stores none; "
@@ -160,15 +160,6 @@ def _messages(body: dict) -> list[dict[str, Any]]:
                               "'function_call' and 'function_call_output' are.", param=f"{where}.type",
                               code="unsupported_value")
     return out
-
-
-def _string(obj: dict, key: str, where: str) -> str:
-    value = obj.get(key)
-    if value is None:
-        raise bad_request(f"'{where}.{key}' is required.", param=f"{where}.{key}", code="missing_required_parameter")
-    if not isinstance(value, str):
-        raise invalid_type(f"{where}.{key}", "a string", value)
-    return value
 
 
 def _message(item: dict, where: str) -> dict[str, Any]:
@@ -185,9 +176,9 @@ def _message(item: dict, where: str) -> dict[str, Any]:
     for at, part in each_object(content, f"{where}.content", "a content part object"):
         kind = part.get("type")
         if kind == "refusal" and role == "assistant":
-            texts.append(_string(part, "refusal", at))
+            texts.append(required_str(part, "refusal", at))
         elif kind in TEXT_PARTS:
-            texts.append(_string(part, "text", at))
+            texts.append(required_str(part, "text", at))
         else:
             raise bad_request(f"Content part type {kind!r} is not supported: this model takes text only "
                               f"({', '.join(TEXT_PARTS)}).", param=f"{at}.type", code="unsupported_value")
@@ -218,15 +209,15 @@ def _reasoning_text(item: dict, where: str) -> str:
         if part.get("type") != "reasoning_text":
             raise bad_request(f"Reasoning content part type {part.get('type')!r} is not supported; only "
                               "'reasoning_text' is.", param=f"{at}.type", code="unsupported_value")
-        texts.append(_string(part, "text", at))
+        texts.append(required_str(part, "text", at))
     return "".join(texts)
 
 
 def _function_call(item: dict, where: str, out: list[dict[str, Any]]) -> None:
     """A call the model made earlier: joins the assistant message just before it (a reply's text
     and its calls are one chat message), or opens one."""
-    call = {"id": _string(item, "call_id", where), "type": "function",
-            "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
+    call = {"id": required_str(item, "call_id", where), "type": "function",
+            "function": {"name": required_str(item, "name", where), "arguments": required_str(item, "arguments", where)}}
     last = out[-1] if out else None
     if last is not None and last["role"] == "assistant":
         last.setdefault("tool_calls", []).append(call)
@@ -243,7 +234,7 @@ def _output_text(output: Any, where: str) -> str:
             if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS:
                 raise bad_request(f"'{where}[{j}]' must be an input_text part: this model takes text only.",
                                   param=f"{where}[{j}]", code="unsupported_value")
-            texts.append(_string(part, "text", f"{where}[{j}]"))
+            texts.append(required_str(part, "text", f"{where}[{j}]"))
         return "".join(texts)
     raise invalid_type(where, "a string or an array of input_text parts", output)
 
@@ -251,13 +242,9 @@ def _output_text(output: Any, where: str) -> str:
 # --- tools, text, reasoning -------------------------------------------------------------------
 
 
-def _tools(tools: Any) -> list[dict[str, Any]]:
-    if tools is None:
-        return []
-    if not isinstance(tools, list):
-        raise invalid_type("tools", "an array", tools)
+def _tools(body: dict) -> list[dict[str, Any]]:
     out = []
-    for where, tool in each_object(tools, "tools", "a tool object"):
+    for where, tool in each_object(get_list(body, "tools", []), "tools", "a tool object"):
         if tool.get("type") != "function":
             raise bad_request(f"Tools of type {tool.get('type')!r} are not supported; only 'function' tools are.",
                               param=f"{where}.type", code="unsupported_value")
@@ -278,7 +265,7 @@ def _tool_choice(choice: Any) -> Any:
         raise bad_request(f"tool_choice of type {choice.get('type')!r} is not supported; send 'none', 'auto', "
                           "'required' or {\"type\": \"function\", \"name\": ...}.", param="tool_choice.type",
                           code="unsupported_value")
-    return {"type": "function", "function": {"name": _string(choice, "name", "tool_choice")}}
+    return {"type": "function", "function": {"name": required_str(choice, "name", "tool_choice")}}
 
 
 def _text(text: Any) -> dict[str, Any]:
@@ -305,7 +292,7 @@ def _response_format(fmt: Any) -> dict[str, Any] | None:
     if kind == "json_object":
         return {"type": "json_object"}
     if kind == "json_schema":
-        schema = {"name": _string(fmt, "name", "text.format")}
+        schema = {"name": required_str(fmt, "name", "text.format")}
         for key in ("schema", "strict", "description"):
             if fmt.get(key) is not None:
                 schema[key] = fmt[key]

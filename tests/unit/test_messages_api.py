@@ -7,15 +7,11 @@ cut by max_tokens: stop_reason `max_tokens`.
 
 from __future__ import annotations
 
-import http.client
-import json
-
 import httpx
 import pytest
 
-from services.fakes.workers import Behaviour
 from tests.unit.test_messages_request import parse_events
-from tests.unit.test_router_app import MODEL, cluster, cluster_factory, post  # noqa: F401 - fixtures
+from tests.unit.test_router_app import MODEL, StreamThatFails, cluster, cluster_factory, post  # noqa: F401 - fixtures
 
 
 def messages(**kw):
@@ -100,23 +96,11 @@ def test_api_key_as_x_api_key_or_bearer(cluster_factory):  # noqa: F811
 
 
 def test_failure_mid_stream_is_an_error_event_and_keeps_connection(cluster_factory):  # noqa: F811
-    cluster = cluster_factory(max_migrations=0)  # noqa: F811 - with migration on, the request would move instead
-    cluster.decodes[0].behaviour = Behaviour(mode="fail_after", after=3, times=1)
-    conn = http.client.HTTPConnection("127.0.0.1", cluster.port, timeout=10)
-    conn.request("POST", "/v1/messages", json.dumps(messages(stream=True, max_tokens=20)),
-                 {"content-type": "application/json"})
-    resp = conn.getresponse()
-    events = [e for e in parse_events(resp.read()) if e["type"] != ":comment"]
-    sock = conn.sock
-    assert resp.status == 200
+    s = StreamThatFails(cluster_factory, "/v1/messages", messages(stream=True, max_tokens=20))
+    events = [e for e in parse_events(s.text.encode()) if e["type"] != ":comment"]
     assert "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta") == "Hel"
     assert events[-1]["type"] == "error" and events[-1]["error"]["type"] in ("api_error", "overloaded_error")
-    conn.request("POST", "/v1/messages", json.dumps(messages()), {"content-type": "application/json"})
-    resp = conn.getresponse()
-    assert resp.status == 200 and json.loads(resp.read())["content"][0]["text"] == "Hello"
-    assert conn.sock is sock  # the same keep-alive connection
-    conn.close()
-    cluster.all_rpcs_ended()
+    assert s.again(messages())["content"][0]["text"] == "Hello"
 
 
 def test_anthropic_sdk_against_fakes(cluster_factory):  # noqa: F811

@@ -6,14 +6,12 @@ cut by max_output_tokens: `incomplete`, as OpenAI reports it.
 
 from __future__ import annotations
 
-import http.client
 import json
 
 import httpx
 import pytest
 
-from services.fakes.workers import Behaviour
-from tests.unit.test_router_app import MODEL, cluster, cluster_factory, post  # noqa: F401 - fixtures
+from tests.unit.test_router_app import MODEL, StreamThatFails, cluster, cluster_factory, post  # noqa: F401 - fixtures
 
 
 def responses(**kw):
@@ -82,24 +80,12 @@ def test_refusals_never_reach_a_worker(cluster, body, status, param):  # noqa: F
 
 
 def test_failure_mid_stream_is_response_failed_and_keeps_connection(cluster_factory):  # noqa: F811
-    cluster = cluster_factory(max_migrations=0)  # noqa: F811 - with migration on, the request would move instead
-    cluster.decodes[0].behaviour = Behaviour(mode="fail_after", after=3, times=1)
-    conn = http.client.HTTPConnection("127.0.0.1", cluster.port, timeout=10)
-    conn.request("POST", "/v1/responses", json.dumps(responses(stream=True, max_output_tokens=20)),
-                 {"content-type": "application/json"})
-    resp = conn.getresponse()
-    events = events_of(resp.read().decode())
-    sock = conn.sock
-    assert resp.status == 200
+    s = StreamThatFails(cluster_factory, "/v1/responses", responses(stream=True, max_output_tokens=20))
+    events = events_of(s.text)
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "Hel"
     assert events[-1]["type"] == "response.failed" and events[-1]["response"]["status"] == "failed"
     assert events[-1]["response"]["error"]["code"] == "server_error"
-    conn.request("POST", "/v1/responses", json.dumps(responses()), {"content-type": "application/json"})
-    resp = conn.getresponse()
-    assert resp.status == 200 and json.loads(resp.read())["output"][0]["content"][0]["text"] == "Hello"
-    assert conn.sock is sock  # the same keep-alive connection
-    conn.close()
-    cluster.all_rpcs_ended()
+    assert s.again(responses())["output"][0]["content"][0]["text"] == "Hello"
 
 
 def test_openai_sdk_responses_against_fakes(cluster):  # noqa: F811

@@ -411,25 +411,40 @@ def test_invalid_argument_from_worker_is_400_without_retry(cluster):
     assert len(cluster.decodes[0].seen.rooms) == 1
 
 
+class StreamThatFails:
+    """A stream on `path` whose decode fails after 3 tokens, with migration off (it would move the
+    request instead), on a keep-alive connection: `text` is what the client read, `again(body)`
+    the JSON of a second request sent on the same connection, which must be the same socket."""
+
+    def __init__(self, cluster_factory, path: str, body: dict):
+        self.cluster = cluster_factory(max_migrations=0)
+        self.cluster.decodes[0].behaviour = Behaviour(mode="fail_after", after=3, times=1)
+        self.path = path
+        self.conn = http.client.HTTPConnection("127.0.0.1", self.cluster.port, timeout=10)
+        self.conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})
+        resp = self.conn.getresponse()
+        self.text = resp.read().decode()
+        self.sock = self.conn.sock
+        assert resp.status == 200
+
+    def again(self, body: dict) -> dict:
+        self.conn.request("POST", self.path, json.dumps(body), {"content-type": "application/json"})
+        resp = self.conn.getresponse()
+        assert resp.status == 200
+        out = json.loads(resp.read())
+        assert self.conn.sock is self.sock  # the same keep-alive connection
+        self.conn.close()
+        self.cluster.all_rpcs_ended()
+        return out
+
+
 def test_failure_after_first_byte_ends_stream_with_error_and_keeps_connection(cluster_factory):
-    cluster = cluster_factory(max_migrations=0)  # with migration on, the request would move instead
-    cluster.decodes[0].behaviour = Behaviour(mode="fail_after", after=3, times=1)
-    conn = http.client.HTTPConnection("127.0.0.1", cluster.port, timeout=10)
-    body = json.dumps(completion(stream=True, max_tokens=20))
-    conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
-    resp = conn.getresponse()
-    text = resp.read().decode()
-    sock = conn.sock
-    assert resp.status == 200
-    events = sse_payloads(text)
+    s = StreamThatFails(cluster_factory, "/v1/completions", completion(stream=True, max_tokens=20))
+    cluster = s.cluster
+    events = sse_payloads(s.text)
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "Hel"
     assert events[-1]["error"]["code"] == "worker_failure"
-    conn.request("POST", "/v1/completions", json.dumps(completion()), {"content-type": "application/json"})
-    resp = conn.getresponse()
-    assert resp.status == 200 and json.loads(resp.read())["choices"][0]["text"] == "Hello"
-    assert conn.sock is sock  # the same keep-alive connection
-    conn.close()
-    cluster.all_rpcs_ended()
+    assert s.again(completion())["choices"][0]["text"] == "Hello"
     assert len(cluster.decodes[0].seen.rooms) == 2  # no retry after the first byte
 
 

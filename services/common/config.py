@@ -236,6 +236,13 @@ ROUTER_FLAGS = [
          "serve tool_choice auto (the default when a request has tools: the reply is free and parsed for "
          "calls in --tool-call-parser's format), as vLLM's flag; --no-enable-auto-tool-choice refuses it with "
          "a 400, as vLLM without the flag, while required, a named function and none still work"),
+    Flag("responses-store-size", int, 0,
+         "Responses API responses kept in memory for previous_response_id and GET/DELETE /v1/responses/{id} "
+         "(vLLM keeps them with VLLM_ENABLE_RESPONSES_API_STORE), the least recently used dropped first; with "
+         "it a request's `store` defaults to true, as OpenAI's. 0: stateless, `store: true` and "
+         "previous_response_id are 400s. Needs --processes 1 (the store is one process's memory)"),
+    Flag("responses-store-bytes", int, 256 << 20,
+         "the most bytes (their JSON text) the stored responses take together (--responses-store-size)"),
     Flag("scheduling-policy", str, "fcfs",
          "the order in which the workers take waiting requests, as vLLM's flag: fcfs, arrival order (a request's "
          "priority must be 0); priority, a request's `priority` first (lower is sooner; ties in arrival order), "

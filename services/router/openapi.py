@@ -271,7 +271,11 @@ class ResponsesRequest(_Body):
     reasoning: ReasoningConfig | None = None
     user: str | None = Field(None, description="Informational")
     metadata: dict[str, Any] | None = Field(None, description="Informational")
-    store: Literal[False] | None = Field(None, description="Only false: nothing is stored (true is a 400)")
+    store: bool | None = Field(None, description="With the router's --responses-store-size: keep the response "
+                                                 "(the default there); without it only false (true is a 400)")
+    previous_response_id: str | None = Field(
+        None, description="With --responses-store-size: continue a stored response's conversation (404 when it "
+                          "is not stored); without it a 400")
 
 
 class MessagesText(_Body):

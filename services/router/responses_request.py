@@ -1,10 +1,14 @@
 """OpenAI's Responses API request, translated into the chat-completions body the router serves.
 
-Stateless: nothing is stored, so `store` may only be absent or false, and whatever needs a stored
-response or conversation (`previous_response_id`, `conversation`, `background`, item references,
-stored `prompt` templates) is a 400 naming the field. The translation only builds a chat body;
-every check of the chat route (model, sampling ranges, tools, structured output, context length)
-then applies unchanged, so both routes accept exactly the same things.
+Stateless by default: nothing is stored, so `store` may only be absent or false, and
+`previous_response_id` is a 400 naming the field. With a store (`--responses-store-size`,
+services/router/responses_store.py) `store` defaults to true, as OpenAI's, and
+`previous_response_id` continues a stored response: its conversation (every earlier turn's items
+and its output) comes before this request's input; its instructions do not carry over, as in
+OpenAI's API. What needs more than that (`conversation` objects, `background`, item references,
+stored `prompt` templates) is a 400 naming the field either way. The translation only builds a
+chat body; every check of the chat route (model, sampling ranges, tools, structured output,
+context length) then applies unchanged, so both routes accept exactly the same things.
 
 What maps where:
   input (a string, or message / function_call / function_call_output items) -> messages
@@ -19,20 +23,21 @@ Fields neither Responses nor vLLM defines are ignored, as on the other routes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from services.router.errors import bad_request, each_object, invalid_type
+from services.router.errors import APIError, bad_request, each_object, invalid_type
 from services.router.getters import get_bool, get_int, get_list, get_str, required_str
+from services.router.responses_store import ResponsesStore
 
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text")
 UINT32_MAX = (1 << 32) - 1
 
 # Responses fields this router cannot honour, with the value(s) that mean "not asked for"
+STATELESS = ("this server stores no responses (the router's --responses-store-size is 0); send the whole "
+             "conversation as 'input'")
 REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
-    "previous_response_id": ("this server is stateless and stores no responses; send the whole conversation "
-                             "as 'input'", (None,)),
     "conversation": ("this server is stateless and stores no conversations; send the whole conversation "
                      "as 'input'", (None,)),
     "background": ("background responses need stored responses, and this server stores none", (None, False)),
@@ -48,15 +53,29 @@ class ResponsesRequest:
     chat: dict[str, Any]  # the chat-completions body that serves it
     echo: dict[str, Any]  # the request's settings, as the Response object repeats them
     stream: bool
+    store: bool = False  # keep the Response (a store is configured and the request did not say no)
+    input_items: list[dict[str, Any]] = field(default_factory=list)  # its own input, as items
+    context: list[dict[str, Any]] = field(default_factory=list)  # the previous response's conversation + input_items
 
 
-def translate(body: Any) -> ResponsesRequest:
-    """The chat body of a Responses request; a 400 naming the field for anything it cannot serve."""
+def translate(body: Any, store: ResponsesStore | None = None) -> ResponsesRequest:
+    """The chat body of a Responses request; a 400 naming the field for anything it cannot serve.
+    `store`: the router's stored responses (None: stateless)."""
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
-    _refuse(body)
+    _refuse(body, store is not None)
     stream = get_bool(body, "stream", False)
-    chat: dict[str, Any] = {"model": body.get("model"), "messages": _messages(body)}
+    keep = store is not None and get_bool(body, "store", True)
+    previous = get_str(body, "previous_response_id", None)
+    earlier: list[dict[str, Any]] = []
+    if previous is not None:
+        stored = store.get(previous) if store is not None else None
+        if stored is None:
+            raise APIError(404, f"Previous response with id '{previous[:128]}' not found.",
+                           param="previous_response_id", code="previous_response_not_found")
+        earlier = stored.conversation
+    items = _input_items(body)
+    chat: dict[str, Any] = {"model": body.get("model"), "messages": _messages(body, earlier, items)}
     if stream:
         chat["stream"] = True
         chat["stream_options"] = {"include_usage": True}  # the final event carries usage
@@ -98,19 +117,24 @@ def translate(body: Any) -> ResponsesRequest:
         "tools": body.get("tools") or [],
         "text": {"format": text.get("format") or {"type": "text"}},
         "reasoning": {"effort": reasoning.get("effort"), "summary": None},
-        "store": False,
+        "store": keep,
         "background": False,
-        "previous_response_id": None,
+        "previous_response_id": previous,
         "truncation": "disabled",
         "user": body.get("user"),
     }
-    return ResponsesRequest(chat=chat, echo=echo, stream=stream)
+    return ResponsesRequest(chat=chat, echo=echo, stream=stream, store=keep, input_items=items,
+                            context=earlier + items)
 
 
-def _refuse(body: dict) -> None:
-    if body.get("store") is not None and get_bool(body, "store", False):
-        raise bad_request("'store' must be false or absent: this server is stateless and stores no responses.",
-                          param="store", code="unsupported_value")
+def _refuse(body: dict, stored: bool) -> None:
+    if not stored:
+        if body.get("store") is not None and get_bool(body, "store", False):
+            raise bad_request(f"'store' must be false or absent: {STATELESS}.", param="store",
+                              code="unsupported_value")
+        if body.get("previous_response_id") is not None:
+            raise bad_request(f"'previous_response_id' is not supported: {STATELESS}.",
+                              param="previous_response_id", code="unsupported_value")
     for name, (reason, defaults) in REFUSED.items():
         value = body.get(name)
         if not any(value is d if d is None or isinstance(d, bool) else value == d for d in defaults):
@@ -127,21 +151,31 @@ def _refuse(body: dict) -> None:
 # --- input -> messages ------------------------------------------------------------------------
 
 
-def _messages(body: dict) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    instructions = get_str(body, "instructions", None)
-    if instructions is not None:
-        out.append({"role": "system", "content": instructions})
+def _input_items(body: dict) -> list[dict[str, Any]]:
+    """The request's `input` as a list of items (a string is one user message)."""
     items = body.get("input")
     if items is None:
         raise bad_request("You must provide an input.", param="input", code="missing_required_parameter")
     if isinstance(items, str):
-        items = [{"role": "user", "content": items}]
-    elif not isinstance(items, list):
+        return [{"type": "message", "role": "user", "content": items}]
+    if not isinstance(items, list):
         raise invalid_type("input", "a string or an array of input items", items)
     if not items:
         raise bad_request("'input' must contain at least one item.", param="input", code="empty_array")
-    for where, item in each_object(items, "input", "an input item object"):
+    return items
+
+
+def _messages(body: dict, earlier: list[dict[str, Any]], items: list[Any]) -> list[dict[str, Any]]:
+    """The chat messages: the instructions first, then a stored conversation's items (`earlier`),
+    then the request's own."""
+    out: list[dict[str, Any]] = []
+    instructions = get_str(body, "instructions", None)
+    if instructions is not None:
+        out.append({"role": "system", "content": instructions})
+    named = [("previous_response_id", item) for item in earlier] + [(f"input[{i}]", item) for i, item in enumerate(items)]
+    for where, item in named:
+        if not isinstance(item, dict):
+            raise invalid_type(where, "an input item object", item)
         kind = item.get("type", "message")
         if kind == "message":
             _add_message(_message(item, where), out)
@@ -153,8 +187,8 @@ def _messages(body: dict) -> list[dict[str, Any]]:
             out.append({"role": "tool", "tool_call_id": required_str(item, "call_id", where),
                         "content": _output_text(item.get("output"), f"{where}.output")})
         elif kind == "item_reference":
-            raise bad_request(f"'{where}': item references need stored items, and this server stores none; "
-                              "send the item itself.", param=f"{where}.type", code="unsupported_value")
+            raise bad_request(f"'{where}': item references are not supported; send the item itself.",
+                              param=f"{where}.type", code="unsupported_value")
         else:
             raise bad_request(f"Input items of type {kind!r} are not supported; only 'message', 'reasoning', "
                               "'function_call' and 'function_call_output' are.", param=f"{where}.type",

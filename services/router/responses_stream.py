@@ -23,7 +23,7 @@ no `[DONE]` line, as in OpenAI's stream.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from services.router import responses_output as out
@@ -32,8 +32,9 @@ from services.router.json_codec import dumps
 
 
 class EventStream:
-    def __init__(self, echo: dict[str, Any]):
+    def __init__(self, echo: dict[str, Any], on_final: Callable[[dict[str, Any]], None] | None = None):
         self.echo = echo
+        self.on_final = on_final  # given the whole Response once it completed or was cut (to store it)
         self.seq = 0
         self.rid = ""
         self.created = 0
@@ -172,7 +173,10 @@ class EventStream:
         events += self._close(status)
         self.ended = True
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
-        events.append(self._event(kind, response=self._response(status)))
+        final = self._response(status)
+        if self.on_final is not None:
+            self.on_final(final)
+        events.append(self._event(kind, response=final))
         return events
 
     def _fail(self, error: dict[str, Any]) -> list[bytes]:
@@ -185,6 +189,7 @@ class EventStream:
         return events
 
 
-def translate_sse(chat_events: AsyncIterator[bytes], echo: dict[str, Any]) -> AsyncIterator[bytes]:
+def translate_sse(chat_events: AsyncIterator[bytes], echo: dict[str, Any],
+                  on_final: Callable[[dict[str, Any]], None] | None = None) -> AsyncIterator[bytes]:
     """The Responses events of a chat SSE byte stream; closing this closes the chat stream."""
-    return rewrite(chat_events, EventStream(echo))
+    return rewrite(chat_events, EventStream(echo, on_final))

@@ -12,7 +12,10 @@ route answers for the same conversation:
   validate against the schema, streamed and not; the call and its output go back as
   `function_call` and `function_call_output` items, and the model answers in a `message`;
 - `text.format` json_schema: the reply parses and validates;
-- refusals (store true, previous_response_id) are 400s naming the field.
+- refusals (store true, previous_response_id) are 400s naming the field; a second router on the
+  same workers with --responses-store-size keeps responses: previous_response_id continues one
+  (greedy: the answer the chat route gives the whole conversation), retrieve, input_items and
+  delete work through the SDK.
 The Messages API the same way: the reply's text equals the chat route's, streamed and not; usage
 splits the chat's prompt tokens into computed and cache-read ones, and count_tokens counts the same
 prompt; a stop sequence is named; a forced tool call comes back as a `tool_use` block valid against
@@ -55,11 +58,17 @@ RECORD = {
 
 
 @pytest.fixture(scope="module")
-def mesh(tmp_path_factory):
+def workers(tmp_path_factory):
     with mesh_with_router(tmp_path_factory.mktemp("responses"), router_flags=("--request-timeout", "120")) as (
-        m, _, _, r
+        m, ps, ds, r
     ):
-        yield m, openai.OpenAI(base_url=r.http_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        yield m, ps, ds, r
+
+
+@pytest.fixture(scope="module")
+def mesh(workers):
+    m, _, _, r = workers
+    return m, openai.OpenAI(base_url=r.http_url + "/v1", api_key="x", max_retries=0, timeout=120)
 
 
 def _chat_text(client, max_tokens: int) -> tuple[str, int, int]:
@@ -166,6 +175,32 @@ def test_json_schema_format(mesh):
                                           max_output_tokens=120, temperature=0, stream=True))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == resp.output_text and events[-1].type == "response.completed"
+    m.assert_invariants()
+
+
+def test_stored_responses_with_the_sdk(workers):
+    m, ps, ds, _ = workers
+    r = m.start_router(ps, ds, "--request-timeout", "120", "--responses-store-size", "16")
+    client = openai.OpenAI(base_url=r.http_url + "/v1", api_key="x", max_retries=0, timeout=120)
+    first = client.responses.create(model=MODEL, instructions=INSTRUCTIONS, input=QUESTION, temperature=0,
+                                    max_output_tokens=12)
+    assert first.store is True
+    follow = client.responses.create(model=MODEL, previous_response_id=first.id, input="Why?", temperature=0,
+                                     max_output_tokens=12)
+    # the instructions do not carry over; the earlier turn and its answer do
+    want = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=12, messages=[
+        {"role": "user", "content": QUESTION}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "Why?"}])
+    assert follow.output_text == want.choices[0].message.content
+    assert follow.usage.input_tokens == want.usage.prompt_tokens and follow.previous_response_id == first.id
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    items = client.responses.input_items.list(first.id)
+    assert [(i.role, i.content[0].text) for i in items.data] == [("user", QUESTION)]
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=MODEL, previous_response_id=first.id, input="again", max_output_tokens=4)
     m.assert_invariants()
 
 

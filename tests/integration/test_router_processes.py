@@ -317,14 +317,16 @@ def test_a_tokenizer_that_cannot_load_stops_the_router_with_one_line(fakes, tmp_
         assert "refused its settings; stopping the router" in text and "replacing it" not in text
 
 
-@pytest.mark.parametrize("flag, value, why", [
-    ("--override-generation-config", '{"temperature": 3}',
+@pytest.mark.parametrize("flags, why", [
+    (("--override-generation-config", '{"temperature": 3}'),
      "--override-generation-config: temperature must be a number from 0.0 to 2.0, got 3"),
-    ("--max-logprobs", "21", "--max-logprobs must be between 0 and 20"),
+    (("--max-logprobs", "21"), "--max-logprobs must be between 0 and 20"),
+    # the stored responses are one process's memory: a follow-up on another would not find them
+    (("--responses-store-size", "8", "--processes", "2"), "--responses-store-size needs --processes 1"),
 ])
-def test_a_bad_served_model_control_stops_the_router_with_one_line(fakes, flag, value, why):
+def test_a_bad_served_model_control_stops_the_router_with_one_line(fakes, flags, why):
     out = run_service("router", ["--port", str(free_port()), "--prefill", fakes.prefill.addr, "--decode",
-                                 fakes.decode.addr, flag, value, "--log-format", "json"], timeout=60)
+                                 fakes.decode.addr, *flags, "--log-format", "json"], timeout=60)
     text = out.stdout + out.stderr
     assert out.returncode == EXIT_CONFIG and "Traceback" not in text, text[-3000:]
     assert why in text

@@ -248,6 +248,10 @@ ROUTER_FLAGS = [
          "priority must be 0); priority, a request's `priority` first (lower is sooner; ties in arrival order), "
          "and when decode's KV pool runs dry the highest value, latest arrival is retracted first",
          choices=("fcfs", "priority")),
+    Flag("seed", int, -1,
+         "the seed of the generator that gives a request without a `seed` its own, as vLLM's flag: the same "
+         "requests in the same order then sample the same text after a restart; negative: the OS's randomness "
+         "(each --processes process seeds with this plus its index)"),
     Flag("response-role", str, "assistant",
          "the role of a chat reply (message.role, the first delta's role) when the chat template adds a "
          "generation prompt, as vLLM's flag; a request that continues its last message (continue_final_message, "

@@ -11,6 +11,7 @@ drops the block it inherited, so no two processes hand out the same numbers.
 from __future__ import annotations
 
 import os
+import random
 import threading
 
 _BLOCK = 4096  # bytes read from the OS per refill: 512 numbers
@@ -27,6 +28,20 @@ def _drop() -> None:
 
 
 os.register_at_fork(after_in_child=_drop)
+
+
+class SeededBits:
+    """Random 63-bit numbers from a generator seeded with `seed` (the router's --seed): the same
+    seed gives the same sequence, so requests without a seed of their own sample the same text
+    when the same requests come in the same order. Thread-safe, as randbits63."""
+
+    def __init__(self, seed: int):
+        self._random = random.Random(seed)
+        self._lock = threading.Lock()
+
+    def __call__(self) -> int:
+        with self._lock:
+            return self._random.getrandbits(63)
 
 
 def randbits63() -> int:

@@ -11,6 +11,7 @@ from pathlib import Path
 from services.common.config import RouterSettings
 from services.common.logging_setup import get_logger
 from services.common.model_name import served_name
+from services.common.random_bits import SeededBits, randbits63
 from services.common.tokenizer import BUILTIN_NAMES, BUILTIN_RANDOM, Tokenizer, resolve_model_path
 from services.router import model_controls, reasoning
 from services.router.grammar_cost import GrammarCost
@@ -85,6 +86,8 @@ def served_model(settings: RouterSettings, tokenizer: Tokenizer,
                      auto_tool_choice=settings.enable_auto_tool_choice,
                      response_role=settings.response_role,
                      scheduling_policy=settings.scheduling_policy,
+                     draw_seed=SeededBits(settings.seed + settings.process_index) if settings.seed >= 0
+                     else randbits63,
                      max_logprobs=model_controls.max_logprobs(settings.max_logprobs),
                      limits=RequestLimits(settings.max_grammar_bytes, settings.max_request_worker_bytes))
     return names, info

@@ -93,6 +93,8 @@ class ModelInfo:
     response_role: str = "assistant"  # --response-role: a chat reply's role after a generation prompt
     max_logprobs: int = MAX_LOGPROBS  # --max-logprobs: alternatives a request may ask for per token
     scheduling_policy: str = "fcfs"  # --scheduling-policy: priority lets requests set `priority`
+    # where a request without a seed gets one: the OS's randomness, or --seed's generator
+    draw_seed: Callable[[], int] = randbits63
 
 
 @dataclass
@@ -236,7 +238,7 @@ def _declared(body: dict, kw: dict) -> None:
         kw[name] = default if get(name) is None else read(body, name, default)
 
 
-def _sampling(body: dict, spec_kw: dict) -> None:
+def _sampling(body: dict, spec_kw: dict, draw_seed: Callable[[], int] = randbits63) -> None:
     _declared(body, spec_kw)
     top_k = spec_kw["top_k"]
     if top_k == -1 or top_k > INT32_MAX:
@@ -248,7 +250,7 @@ def _sampling(body: dict, spec_kw: dict) -> None:
                           code="invalid_value")
     seed = body.get("seed")
     if seed is None:
-        seed = randbits63()
+        seed = draw_seed()
     elif not is_int(seed):
         raise invalid_type("seed", "an integer", seed)
     elif not -(1 << 63) <= seed <= UINT64_MASK:
@@ -413,7 +415,7 @@ def _common(body: dict, info: ModelInfo, kind: str) -> dict[str, Any]:
     refuse_unsupported(body, kind, REQUEST_FIELDS if info.reasoning_parser and kind == "chat" else frozenset())
     _check_unsupported(body)
     kw: dict[str, Any] = {}
-    _sampling(body, kw)
+    _sampling(body, kw, info.draw_seed)
     _controls(body, info.tokenizer.vocab_size, kw)
     _token_masks(body, info.tokenizer, kw)
     kw["stop"], kw["stop_token_ids"] = _stop(body, info.tokenizer.vocab_size)

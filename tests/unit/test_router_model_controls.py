@@ -164,3 +164,34 @@ def test_router_answers_with_the_response_role(cluster_factory):  # noqa: F811
     r = httpx.post(c.url + "/v1/chat/completions", json={**body, "logprobs": True, "top_logprobs": 4})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
     c.all_rpcs_ended()
+
+
+def test_seed_flag_makes_unseeded_requests_repeat():
+    from services.common.random_bits import SeededBits
+
+    def seeds(draw):
+        info = ModelInfo(name="m", tokenizer=TOK, context_length=64, draw_seed=draw)
+        return [parse_chat({"model": "m", "messages": MSGS}, info).seed for _ in range(3)]
+
+    assert seeds(SeededBits(7)) == seeds(SeededBits(7))  # the same requests, in order, after a restart
+    assert seeds(SeededBits(7)) != seeds(SeededBits(8))
+    assert len(set(seeds(SeededBits(7)))) == 3  # each request its own
+    assert len(set(seeds(lambda: 5))) == 1 and seeds(lambda: 5)[0] == 5
+    # a request's own seed wins
+    info = ModelInfo(name="m", tokenizer=TOK, context_length=64, draw_seed=SeededBits(7))
+    assert parse_chat({"model": "m", "messages": MSGS, "seed": 42}, info).seed == 42
+
+
+def test_router_with_a_seed_repeats_its_text_after_a_restart(cluster_factory):  # noqa: F811
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
+
+    def run():
+        c = cluster_factory(seed=11)
+        body["model"] = c.router.info.name
+        httpx.post(c.url + "/v1/chat/completions", json=body)
+        seeds = [r.params.seed for r in c.decodes[0].seen.requests]
+        c.all_rpcs_ended()
+        return seeds
+
+    first, again = run(), run()
+    assert first == again and len(first) == 1

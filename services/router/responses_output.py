@@ -10,7 +10,15 @@ server does.
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Any
+
+# include ["reasoning.encrypted_content"] (Codex and other stateless agents ask for it with
+# store false, to send the reasoning back next turn): this server keeps no secret, so the
+# "encrypted" content is the reasoning text made opaque — marked, base64url — which it reads back
+# from a reasoning item given as input. Not encryption: the same text is in the item's content.
+OPAQUE_PREFIX = "pdmesh.r1."
 
 
 def response_id(chat_id: str) -> str:
@@ -47,10 +55,25 @@ def reasoning_item_id(rid: str) -> str:
     return "rs_" + rid[len("resp_"):]
 
 
-def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    """A reply's reasoning (--reasoning-parser): its text whole, as one reasoning_text part."""
+def opaque_reasoning(text: str) -> str:
+    return OPAQUE_PREFIX + base64.urlsafe_b64encode(text.encode()).decode()
+
+
+def reasoning_of_opaque(token: str) -> str | None:
+    """The reasoning an opaque_reasoning() token carries; None for one this server did not make."""
+    if not token.startswith(OPAQUE_PREFIX):
+        return None
+    try:
+        return base64.urlsafe_b64decode(token[len(OPAQUE_PREFIX):].encode()).decode()
+    except (binascii.Error, ValueError):
+        return None
+
+
+def reasoning_item(item_id: str, text: str, status: str, opaque: bool = False) -> dict[str, Any]:
+    """A reply's reasoning (--reasoning-parser): its text whole, as one reasoning_text part; with
+    `opaque` (include reasoning.encrypted_content) also as encrypted_content."""
     return {"id": item_id, "type": "reasoning", "status": status, "summary": [],
-            "content": [reasoning_part(text)], "encrypted_content": None}
+            "content": [reasoning_part(text)], "encrypted_content": opaque_reasoning(text) if opaque else None}
 
 
 def reasoning_part(text: str) -> dict[str, Any]:
@@ -84,8 +107,9 @@ def envelope(rid: str, created: int, model: str, echo: dict[str, Any], status: s
     }
 
 
-def from_chat(chat: dict[str, Any], echo: dict[str, Any]) -> dict[str, Any]:
-    """The Response object of a (non-streamed) chat completion with one choice."""
+def from_chat(chat: dict[str, Any], echo: dict[str, Any], opaque: bool = False) -> dict[str, Any]:
+    """The Response object of a (non-streamed) chat completion with one choice; `opaque`: the
+    reasoning item carries encrypted_content."""
     rid = response_id(chat["id"])
     msg_id, fc_prefix = item_ids(rid)
     choice = chat["choices"][0]
@@ -95,7 +119,7 @@ def from_chat(chat: dict[str, Any], echo: dict[str, Any]) -> dict[str, Any]:
     output = []
     if message.get("reasoning") is not None:
         reasoning_status = "incomplete" if status == "incomplete" and message.get("content") is None else "completed"
-        output.append(reasoning_item(reasoning_item_id(rid), message["reasoning"], reasoning_status))
+        output.append(reasoning_item(reasoning_item_id(rid), message["reasoning"], reasoning_status, opaque))
     if message.get("content") or not (calls or message.get("reasoning") is not None):
         output.append(message_item(msg_id, message.get("content") or "", status))
     for i, call in enumerate(calls):

@@ -28,9 +28,11 @@ from typing import Any
 
 from services.router.errors import APIError, bad_request, each_object, invalid_type
 from services.router.getters import get_bool, get_int, get_list, get_str, required_str
+from services.router.responses_output import reasoning_of_opaque
 from services.router.responses_store import ResponsesStore
 
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+ENCRYPTED_REASONING = "reasoning.encrypted_content"  # the one `include` value served
 TEXT_PARTS = ("input_text", "output_text")
 UINT32_MAX = (1 << 32) - 1
 
@@ -54,6 +56,7 @@ class ResponsesRequest:
     echo: dict[str, Any]  # the request's settings, as the Response object repeats them
     stream: bool
     store: bool = False  # keep the Response (a store is configured and the request did not say no)
+    opaque_reasoning: bool = False  # include ["reasoning.encrypted_content"]
     input_items: list[dict[str, Any]] = field(default_factory=list)  # its own input, as items
     context: list[dict[str, Any]] = field(default_factory=list)  # the previous response's conversation + input_items
 
@@ -124,7 +127,11 @@ def translate(body: Any, store: ResponsesStore | None = None) -> ResponsesReques
         "user": body.get("user"),
     }
     return ResponsesRequest(chat=chat, echo=echo, stream=stream, store=keep, input_items=items,
-                            context=earlier + items)
+                            context=earlier + items, opaque_reasoning=ENCRYPTED_REASONING in _include(body))
+
+
+def _include(body: dict) -> list[Any]:
+    return get_list(body, "include", None) or []
 
 
 def _refuse(body: dict, stored: bool) -> None:
@@ -139,13 +146,10 @@ def _refuse(body: dict, stored: bool) -> None:
         value = body.get(name)
         if not any(value is d if d is None or isinstance(d, bool) else value == d for d in defaults):
             raise bad_request(f"'{name}' is not supported: {reason}.", param=name, code="unsupported_value")
-    include = body.get("include")
-    if include is not None:
-        if not isinstance(include, list):
-            raise invalid_type("include", "an array", include)
-        if include:
-            raise bad_request("'include' is not supported: the response holds no extra data to include.",
-                              param="include", code="unsupported_value")
+    for extra in _include(body):
+        if extra != ENCRYPTED_REASONING:
+            raise bad_request(f"'include' value {str(extra)[:64]!r} is not supported; only "
+                              f"'{ENCRYPTED_REASONING}' is.", param="include", code="unsupported_value")
 
 
 # --- input -> messages ------------------------------------------------------------------------
@@ -232,9 +236,15 @@ def _add_message(message: dict[str, Any], out: list[dict[str, Any]]) -> None:
 def _reasoning_text(item: dict, where: str) -> str:
     """An earlier reply's reasoning item, as given back: its reasoning_text parts (a summary,
     which this server never writes, is not the reasoning and is left out)."""
-    if item.get("encrypted_content") is not None:
-        raise bad_request(f"'{where}.encrypted_content' is not supported: this server never encrypts reasoning; "
-                          "send its content.", param=f"{where}.encrypted_content", code="unsupported_value")
+    sealed = item.get("encrypted_content")
+    if sealed is not None:
+        text = reasoning_of_opaque(sealed) if isinstance(sealed, str) else None
+        if text is None:
+            raise bad_request(f"'{where}.encrypted_content' was not made by this server (another provider's "
+                              "encrypted reasoning cannot be read here); send its content instead.",
+                              param=f"{where}.encrypted_content", code="invalid_value")
+        if not item.get("content"):
+            return text
     content = item.get("content") or []
     if not isinstance(content, list):
         raise invalid_type(f"{where}.content", "an array of reasoning_text parts", content)

@@ -118,7 +118,7 @@ def register(app: FastAPI, router: Any) -> None:
             return parse_chat(req.chat, info)
 
         def reshape(chat: dict[str, Any]) -> dict[str, Any]:
-            out = from_chat(chat, seen[0].echo)
+            out = from_chat(chat, seen[0].echo, seen[0].opaque_reasoning)
             if store is not None:
                 keep(store, seen[0], out)
             return out
@@ -126,7 +126,7 @@ def register(app: FastAPI, router: Any) -> None:
         response = await generation_routes.generate(router, request, "chat", parse, reshape=reshape)
         if isinstance(response, SSEResponse):
             on_final = (lambda out: keep(store, seen[0], out)) if store is not None else None
-            response.events = translate_sse(response.events, seen[0].echo, on_final)
+            response.events = translate_sse(response.events, seen[0].echo, on_final, seen[0].opaque_reasoning)
             return response
         if response.status_code >= 400:
             return _error(response) if response.body else response

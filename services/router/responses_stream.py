@@ -32,8 +32,10 @@ from services.router.json_codec import dumps
 
 
 class EventStream:
-    def __init__(self, echo: dict[str, Any], on_final: Callable[[dict[str, Any]], None] | None = None):
+    def __init__(self, echo: dict[str, Any], on_final: Callable[[dict[str, Any]], None] | None = None,
+                 opaque: bool = False):
         self.echo = echo
+        self.opaque = opaque  # include reasoning.encrypted_content: a reasoning item carries it when done
         self.on_final = on_final  # given the whole Response once it completed or was cut (to store it)
         self.seq = 0
         self.rid = ""
@@ -151,6 +153,8 @@ class EventStream:
                 events.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
                                           content_index=0, text=part["text"], logprobs=[]))
             else:
+                if self.opaque:
+                    item["encrypted_content"] = out.opaque_reasoning(part["text"])
                 events.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
                                           content_index=0, text=part["text"]))
             events.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
@@ -190,6 +194,7 @@ class EventStream:
 
 
 def translate_sse(chat_events: AsyncIterator[bytes], echo: dict[str, Any],
-                  on_final: Callable[[dict[str, Any]], None] | None = None) -> AsyncIterator[bytes]:
+                  on_final: Callable[[dict[str, Any]], None] | None = None,
+                  opaque: bool = False) -> AsyncIterator[bytes]:
     """The Responses events of a chat SSE byte stream; closing this closes the chat stream."""
-    return rewrite(chat_events, EventStream(echo, on_final))
+    return rewrite(chat_events, EventStream(echo, on_final, opaque))

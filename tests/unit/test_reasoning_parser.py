@@ -391,9 +391,35 @@ def test_a_reasoning_item_given_back_joins_its_message():
         {"role": "assistant", "content": "4", "reasoning_content": "add"},
         {"role": "user", "content": "and 3+3?"},
     ]
-    with pytest.raises(APIError) as e:
+    with pytest.raises(APIError) as e:  # another provider's: nothing here can read it
         translate({"model": "m", "input": [{"type": "reasoning", "summary": [], "encrypted_content": "x"}]})
     assert e.value.param == "input[0].encrypted_content"
+
+
+def test_encrypted_reasoning_asked_for_comes_back_and_is_read_back():
+    # include ["reasoning.encrypted_content"] with store false (Codex's way): the reasoning item
+    # carries an opaque copy of the thought, which a later turn sends back without its content
+    req = translate({"model": "m", "input": "2+2?", "store": False, "include": ["reasoning.encrypted_content"]})
+    assert req.opaque_reasoning
+    chat = {"id": "chatcmpl-x", "created": 1, "model": "m", "choices": [{"index": 0, "finish_reason": "stop",
+            "message": {"role": "assistant", "content": "4", "reasoning": "add them"}}], "usage": None}
+    item = responses_output.from_chat(chat, req.echo, opaque=True)["output"][0]
+    assert item["type"] == "reasoning" and item["encrypted_content"].startswith("pdmesh.r1.")
+    assert responses_output.from_chat(chat, req.echo)["output"][0]["encrypted_content"] is None  # not asked
+    back = translate({"model": "m", "input": [
+        {"role": "user", "content": "2+2?"},
+        {"type": "reasoning", "id": item["id"], "summary": [], "encrypted_content": item["encrypted_content"]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "4"}]},
+        {"role": "user", "content": "and 3+3?"}]})
+    assert back.chat["messages"][1] == {"role": "assistant", "content": "4", "reasoning_content": "add them"}
+    # streamed: the reasoning item's done event carries it too
+    stream = EventStream(req.echo, opaque=True)
+    events = stream.feed({"id": "chatcmpl-x", "created": 1, "model": "m", "choices": [
+        {"index": 0, "delta": {"reasoning": "add them"}, "finish_reason": None}]})
+    events += stream.feed({"id": "chatcmpl-x", "created": 1, "model": "m", "choices": [
+        {"index": 0, "delta": {"content": "4"}, "finish_reason": "stop"}]}) + stream.finish()
+    done = [json.loads(e.split(b"data: ", 1)[1]) for e in events if b"response.output_item.done" in e]
+    assert done[0]["item"]["encrypted_content"] == item["encrypted_content"]
 
 
 # --- through the router, with everything a stream can carry ---------------------------------------

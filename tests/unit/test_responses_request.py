@@ -114,7 +114,7 @@ def test_informational_fields_are_accepted():
     ({"background": True}, "background"),
     ({"prompt": {"id": "p"}}, "prompt"),
     ({"truncation": "auto"}, "truncation"),
-    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"max_tool_calls": 1}, "max_tool_calls"),
     ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),

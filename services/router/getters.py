@@ -62,6 +62,10 @@ def get_list(body: dict, name: str, default: Any) -> Any:
     return _typed(body, name, default, lambda v: isinstance(v, list), "an array")
 
 
+def get_dict(body: dict, name: str, default: Any) -> Any:
+    return _typed(body, name, default, lambda v: isinstance(v, dict), "an object")
+
+
 def required_str(obj: dict, key: str, where: str) -> str:
     """A nested object's string field that must be there (`where` names the object, as
     `input[2]`): absent or null, or not a string, is a 400 naming `where.key`."""

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.router.errors import APIError, bad_request, each_object, invalid_type
-from services.router.getters import get_bool, get_int, get_list, get_str, required_str
+from services.router.getters import get_bool, get_dict, get_int, get_list, get_str, required_str
 
 UINT32_MAX = (1 << 32) - 1
 ROLES = ("user", "assistant")
@@ -109,8 +109,8 @@ def translate(body: Any, *, count_only: bool = False) -> MessagesRequest:
     tools = _tools(body)
     if tools:
         chat["tools"] = tools
-    _tool_choice(body.get("tool_choice"), chat)
-    _thinking(body.get("thinking"), chat)
+    _tool_choice(body, chat)
+    _thinking(body, chat)
     if count_only:
         return MessagesRequest(chat=chat, model=model, stream=False, origins=tuple(origins))
     max_tokens = get_int(body, "max_tokens", None, 1, UINT32_MAX)
@@ -320,11 +320,10 @@ def _tools(body: dict) -> list[dict[str, Any]]:
     return out
 
 
-def _tool_choice(choice: Any, chat: dict[str, Any]) -> None:
+def _tool_choice(body: dict, chat: dict[str, Any]) -> None:
+    choice = get_dict(body, "tool_choice", None)
     if choice is None:
         return
-    if not isinstance(choice, dict):
-        raise invalid_type("tool_choice", "an object", choice)
     kind = choice.get("type")
     if kind == "auto":
         chat["tool_choice"] = "auto"
@@ -342,11 +341,10 @@ def _tool_choice(choice: Any, chat: dict[str, Any]) -> None:
             chat["parallel_tool_calls"] = False
 
 
-def _thinking(thinking: Any, chat: dict[str, Any]) -> None:
+def _thinking(body: dict, chat: dict[str, Any]) -> None:
+    thinking = get_dict(body, "thinking", None)
     if thinking is None:
         return
-    if not isinstance(thinking, dict):
-        raise invalid_type("thinking", "an object", thinking)
     kind = thinking.get("type")
     kwargs = chat.setdefault("chat_template_kwargs", {})
     if kind in ("enabled", "adaptive"):

@@ -71,6 +71,9 @@ WORKER_FLAGS = [
         "room, an abort, a failed transfer, the watchdog's evictions) is logged, and the metrics count "
         "every request either way."),
     Flag("model", str, "builtin", "Hugging Face model folder, or 'builtin' for the built-in tiny model"),
+    Flag("tokenizer", str, "",
+         "Hugging Face folder of the tokenizer (and its chat template), as vLLM's flag, when it is not the model "
+         "folder's; empty: the model's. Give the router and both workers the same one"),
     Flag("device", str, "auto", "torch device: cpu, cuda:N, or auto (first GPU if any, else cpu)"),
     Flag("dtype", str, "auto", "float32, bfloat16, float16, or auto (float32 on cpu, bfloat16 on cuda)",
          choices=("auto", "float32", "bfloat16", "float16")),
@@ -173,6 +176,9 @@ ROUTER_FLAGS = [
     Flag("host", str, "127.0.0.1", "address the HTTP server binds to"),
     Flag("port", int, 8000, "HTTP port of the OpenAI-compatible API"),
     Flag("model", str, "builtin", "model folder for the tokenizer and chat template, or 'builtin'"),
+    Flag("tokenizer", str, "",
+         "Hugging Face folder of the tokenizer (and its chat template), as vLLM's flag, when it is not the model "
+         "folder's; empty: the model's. Give the router and both workers the same one"),
     Flag("served-model-name", str, [],
          "model names clients may send, repeatable (env: comma-separated); the first names responses and "
          "labels metrics (default: the model folder's name)", repeatable=True),

@@ -128,15 +128,23 @@ def resolve_model_path(model_path: str | Path | None) -> str | Path:
     return model_path
 
 
-def load_tokenizer(model_path: str | Path | None) -> Tokenizer:
+def load_tokenizer(model_path: str | Path | None, tokenizer_path: str | Path | None = None) -> Tokenizer:
     """The tokenizer of a local HF folder (None/"builtin": the shipped built-in model's folder), or
-    the byte tokenizer of the random test model for "builtin-random"."""
+    the byte tokenizer of the random test model for "builtin-random". `tokenizer_path` (vLLM's
+    --tokenizer): a folder of its own for the tokenizer and its chat template, the model folder
+    still listing the ids generation stops on (generation_config.json, config.json)."""
+    if tokenizer_path:
+        return load_hf_tokenizer(Path(resolve_model_path(tokenizer_path)),
+                                 stop_ids_from=None if str(model_path) == BUILTIN_RANDOM
+                                 else Path(resolve_model_path(model_path)))
     if str(model_path) == BUILTIN_RANDOM:
         return BuiltinTokenizer()
     return load_hf_tokenizer(Path(resolve_model_path(model_path)))
 
 
-def load_hf_tokenizer(folder: Path) -> HuggingFaceTokenizer:
+def load_hf_tokenizer(folder: Path, stop_ids_from: Path | None = None) -> HuggingFaceTokenizer:
+    """`stop_ids_from`: the model folder whose generation_config.json and config.json list more
+    ids that end generation, when the tokenizer has a folder of its own (also read: `folder`'s)."""
     if not folder.is_dir():
         raise TokenizerLoadError(f"tokenizer folder {folder} does not exist or is not a directory")
     tokenizer_file = folder / TOKENIZER_FILE
@@ -170,7 +178,8 @@ def load_hf_tokenizer(folder: Path) -> HuggingFaceTokenizer:
         backend,
         clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
         bos_token_id=id_of("bos_token"),
-        eos_token_ids=_stop_token_ids(folder, id_of("eos_token")),
+        eos_token_ids=_stop_token_ids([folder] if stop_ids_from is None else [stop_ids_from, folder],
+                                      id_of("eos_token")),
         pad_token_id=id_of("pad_token"),
         special_token_strings=special_strings,
         chat_templates=_load_chat_templates(folder, config),
@@ -250,11 +259,12 @@ def _load_chat_templates(folder: Path, config: Mapping[str, Any]) -> dict[str, s
     return {}
 
 
-def _stop_token_ids(folder: Path, tokenizer_eos_id: int | None) -> list[int]:
+def _stop_token_ids(folders: list[Path], tokenizer_eos_id: int | None) -> list[int]:
     # Instruct models often stop on more than the tokenizer's eos (Llama 3: <|eot_id|> and
     # <|end_of_text|>); generation_config.json and config.json list them.
     ids = [] if tokenizer_eos_id is None else [tokenizer_eos_id]
-    for name in (GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE):
-        value = _read_json(folder / name).get("eos_token_id")
-        ids += [value] if isinstance(value, int) else [v for v in value or [] if isinstance(v, int)]
+    for folder in folders:
+        for name in (GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE):
+            value = _read_json(folder / name).get("eos_token_id")
+            ids += [value] if isinstance(value, int) else [v for v in value or [] if isinstance(v, int)]
     return list(dict.fromkeys(ids))

@@ -25,7 +25,7 @@ import torch
 
 from services.common.faults import Faults
 from services.common.sampling_params import SamplingParams
-from services.common.tokenizer import load_tokenizer
+from services.common.tokenizer import load_tokenizer, resolve_model_path
 from services.engine.grammar import DEFAULT_STEP_BUDGET, GrammarError, GrammarRegistry, build_tokenizer
 from services.engine.kv_budget import size_pool
 from services.engine.kv_pool import KVPool
@@ -49,9 +49,10 @@ class WorkerEngine:
         self, model_path: str, device: str, dtype: str, num_pages: int, page_size: int, faults: Faults | None = None,
         *, kv_cache_memory_bytes: int = 0, gpu_memory_utilization: float = 0.9, max_model_len: int = 0,
         chunk_tokens: int = 512, prefix_cache: bool = False, grammar_step_budget: float = DEFAULT_STEP_BUDGET,
+        tokenizer_path: str = "",
     ):
         """num_pages 0: the pool is sized from the budget (services/engine/kv_budget.py); max_model_len
-        0: the model's max_position_embeddings."""
+        0: the model's max_position_embeddings; tokenizer_path "" : the model folder's tokenizer."""
         if faults is not None and faults.slow_load:
             time.sleep(faults.slow_load)  # runs in the worker's load thread: its HTTP side keeps answering
         self.loaded: LoadedModel = load_model(model_path, device, None if dtype == "auto" else _DTYPES[dtype])
@@ -70,7 +71,8 @@ class WorkerEngine:
         self.runner = ModelRunner(self.loaded.model, self.pool)
         # full pages found again by their token ids (--prefix-cache); None: every page is a room's own
         self.prefix_cache = PrefixCache(self.pool.allocator, page_size) if prefix_cache else None
-        self.grammars = _grammar_registry(model_path, self.loaded, self.config.vocab_size, grammar_step_budget)
+        self.grammars = _grammar_registry(tokenizer_path, self.loaded, model_path, self.config.vocab_size,
+                                          grammar_step_budget)
         self.sampler = Sampler(self.grammars)
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.faults = faults or Faults()
@@ -86,7 +88,7 @@ class WorkerEngine:
                    kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
                    gpu_memory_utilization=settings.gpu_memory_utilization, max_model_len=settings.max_model_len,
                    chunk_tokens=settings.chunked_prefill_size, prefix_cache=settings.prefix_cache,
-                   grammar_step_budget=settings.grammar_step_budget)
+                   grammar_step_budget=settings.grammar_step_budget, tokenizer_path=settings.tokenizer)
 
     @property
     def model_name(self) -> str:
@@ -177,13 +179,18 @@ def _with_max_model_len(config, max_model_len: int):
     return dataclasses.replace(config, max_model_len=max_model_len or config.max_position_embeddings)
 
 
-def _grammar_registry(model_path: str, loaded: LoadedModel, vocab_size: int,
+def _grammar_registry(tokenizer_path: str, loaded: LoadedModel, model_path: str, vocab_size: int,
                       step_budget: float = DEFAULT_STEP_BUDGET) -> GrammarRegistry | None:
-    """Structured output needs the tokenizer's bytes per token; a worker whose tokenizer cannot
-    load still serves everything else (and refuses grammars with a clear message)."""
+    """Structured output needs the tokenizer's bytes per token (--tokenizer's folder, else the
+    model's); a worker whose tokenizer cannot load still serves everything else (and refuses
+    grammars with a clear message)."""
     try:
-        tokenizer = load_tokenizer(loaded.path or model_path)
-        folder = pathlib.Path(loaded.path) if loaded.path else None
+        if tokenizer_path:
+            tokenizer = load_tokenizer(model_path, tokenizer_path)
+            folder = pathlib.Path(resolve_model_path(tokenizer_path))
+        else:
+            tokenizer = load_tokenizer(loaded.path or model_path)
+            folder = pathlib.Path(loaded.path) if loaded.path else None
         return GrammarRegistry(build_tokenizer(tokenizer, folder, vocab_size), vocab_size, step_budget)
     except Exception:  # noqa: BLE001 - logged, and the worker serves without grammars
         log.exception("structured output disabled: the tokenizer did not load")

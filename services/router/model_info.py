@@ -57,7 +57,8 @@ def tool_parser(flag: str, tokenizer: Tokenizer) -> str | None:
 def grammar_cost(settings: RouterSettings, tokenizer: Tokenizer) -> GrammarCost | None:
     """The bounded compile of requests' grammars, over the served model's tokenizer; None (grammars
     then go to the workers unmeasured, which still bound each step) when llguidance cannot read it."""
-    folder = Path(resolve_model_path(settings.model)) if settings.model != BUILTIN_RANDOM else None
+    source = settings.tokenizer or settings.model
+    folder = Path(resolve_model_path(source)) if source != BUILTIN_RANDOM else None
     try:
         return GrammarCost(tokenizer, folder if folder is not None and folder.is_dir() else None,
                            settings.grammar_compile_budget, settings.grammar_mask_budget)

@@ -35,7 +35,7 @@ class Router:
     def __init__(self, settings: RouterSettings, tokenizer: Tokenizer | None = None):
         self.settings = settings
         self.api_keys = api_keys(settings.api_key)  # parsed once: checked on every request
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings.model)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings.model, settings.tokenizer)
         template = model_controls.chat_template(settings.chat_template)
         if template is not None:
             self.tokenizer.override_chat_template(template)

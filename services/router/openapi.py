@@ -98,6 +98,9 @@ class _Sampling(_Body):
     cache_salt: str | None = Field(None, min_length=1, max_length=1024,
                                    description="vLLM extension: only requests with the same salt share prefix-cache "
                                                "pages")
+    priority: int | None = Field(None, ge=-(1 << 31), le=(1 << 31) - 1,
+                                 description="vLLM extension: with the router's --scheduling-policy priority, lower "
+                                             "is served first; under fcfs (the default) only 0")
     stream_interval: int | None = Field(None, ge=1, le=1 << 20,
                                         description="vLLM extension: tokens per streamed event (the first and the "
                                                     "last event go out at once)")

@@ -63,6 +63,12 @@ def log_requests_flag(meaning: str) -> Flag:
                 off_names=("disable-log-requests",))
 
 
+# vLLM's --tokenizer: the router and both workers read the same folder
+TOKENIZER_FLAG = Flag("tokenizer", str, "",
+                      "Hugging Face folder of the tokenizer (and its chat template), as vLLM's flag, when it is not "
+                      "the model folder's; empty: the model's. Give the router and both workers the same one")
+
+
 # --- knobs shared by both workers ------------------------------------------------------------
 WORKER_FLAGS = [
     log_requests_flag(
@@ -71,9 +77,7 @@ WORKER_FLAGS = [
         "room, an abort, a failed transfer, the watchdog's evictions) is logged, and the metrics count "
         "every request either way."),
     Flag("model", str, "builtin", "Hugging Face model folder, or 'builtin' for the built-in tiny model"),
-    Flag("tokenizer", str, "",
-         "Hugging Face folder of the tokenizer (and its chat template), as vLLM's flag, when it is not the model "
-         "folder's; empty: the model's. Give the router and both workers the same one"),
+    TOKENIZER_FLAG,
     Flag("device", str, "auto", "torch device: cpu, cuda:N, or auto (first GPU if any, else cpu)"),
     Flag("dtype", str, "auto", "float32, bfloat16, float16, or auto (float32 on cpu, bfloat16 on cuda)",
          choices=("auto", "float32", "bfloat16", "float16")),
@@ -176,9 +180,7 @@ ROUTER_FLAGS = [
     Flag("host", str, "127.0.0.1", "address the HTTP server binds to"),
     Flag("port", int, 8000, "HTTP port of the OpenAI-compatible API"),
     Flag("model", str, "builtin", "model folder for the tokenizer and chat template, or 'builtin'"),
-    Flag("tokenizer", str, "",
-         "Hugging Face folder of the tokenizer (and its chat template), as vLLM's flag, when it is not the model "
-         "folder's; empty: the model's. Give the router and both workers the same one"),
+    TOKENIZER_FLAG,
     Flag("served-model-name", str, [],
          "model names clients may send, repeatable (env: comma-separated); the first names responses and "
          "labels metrics (default: the model folder's name)", repeatable=True),

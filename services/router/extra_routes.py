@@ -62,6 +62,13 @@ async def serve_json(router: Any, request: Request, handler: Callable[[Any], dic
     return JSONResponse(out)
 
 
+def chat_prompt_ids(body: dict, info: Any) -> list[int]:
+    """The prompt ids of a chat body as the chat route renders it (its model checked): what
+    /tokenize and the Messages API's count_tokens report."""
+    served_model(body, info)
+    return chat_prompt(body, info.tokenizer, parse_tools(body, info.tool_parser, info.tokenizer))
+
+
 def register(app: FastAPI, router: Any) -> None:
     """Add the routes to `app`, served by `router` (services.router.service.Router)."""
     info = router.info
@@ -69,11 +76,10 @@ def register(app: FastAPI, router: Any) -> None:
     def tokenize(body: Any) -> dict[str, Any]:
         if not isinstance(body, dict):
             raise errors.bad_request("The request body must be a JSON object.", code="invalid_json")
-        served_model(body, info)
         if "messages" in body:
-            tools = parse_tools(body, info.tool_parser, info.tokenizer)
-            ids = chat_prompt(body, info.tokenizer, tools)
+            ids = chat_prompt_ids(body, info)
         else:
+            served_model(body, info)
             ids = completion_prompt(body, info.tokenizer).ids
         ids = truncate(ids, body, info.context_length)
         out: dict[str, Any] = {"count": len(ids), "max_model_len": info.context_length, "tokens": ids,

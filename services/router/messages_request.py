@@ -101,10 +101,8 @@ def translate(body: Any, *, count_only: bool = False) -> MessagesRequest:
     if last["role"] == "assistant" and last["content"] and "tool_calls" not in last:
         # Anthropic's prefill: the reply continues the final assistant text rather than starting a turn
         chat["continue_final_message"] = True
-    kwargs = body.get("chat_template_kwargs")
+    kwargs = get_dict(body, "chat_template_kwargs", None)
     if kwargs is not None:
-        if not isinstance(kwargs, dict):
-            raise invalid_type("chat_template_kwargs", "an object", kwargs)
         chat["chat_template_kwargs"] = dict(kwargs)
     tools = _tools(body)
     if tools:
@@ -132,10 +130,8 @@ def translate(body: Any, *, count_only: bool = False) -> MessagesRequest:
         if body.get(name) is not None:
             chat[name] = body[name]  # ranges and types checked by the chat route
     _output_config(body, chat)
-    metadata = body.get("metadata")
+    metadata = get_dict(body, "metadata", None)
     if metadata is not None:
-        if not isinstance(metadata, dict):
-            raise invalid_type("metadata", "an object", metadata)
         _nested(get_str, metadata, "metadata", "user_id", None)  # informational, but still typed
     get_str(body, "service_tier", None)
     return MessagesRequest(chat=chat, model=model, stream=stream, origins=tuple(origins))
@@ -369,10 +365,7 @@ def _thinking(body: dict, chat: dict[str, Any]) -> None:
 
 
 def _output_config(body: dict, chat: dict[str, Any]) -> None:
-    config = body.get("output_config")
-    if config is not None and not isinstance(config, dict):
-        raise invalid_type("output_config", "an object", config)
-    config = config or {}
+    config = get_dict(body, "output_config", None) or {}
     effort = _nested(get_str, config, "output_config", "effort", None)
     if effort is not None:
         chat["reasoning_effort"] = effort  # its values checked by the chat route

@@ -21,14 +21,12 @@ from fastapi.responses import JSONResponse, Response
 
 from services.router import generation_routes, openapi
 from services.router.errors import APIError
-from services.router.extra_routes import serve_json
+from services.router.extra_routes import chat_prompt_ids, serve_json
 from services.router.messages_output import error_body, error_type, from_chat
 from services.router.messages_request import MessagesRequest, translate
 from services.router.messages_stream import translate_sse
-from services.router.prompts import chat_prompt
-from services.router.protocol import parse_chat, served_model
+from services.router.protocol import parse_chat
 from services.router.sse import SSEResponse
-from services.router.tools import parse_tools
 
 _SKIPPED_HEADERS = ("content-length", "content-type")
 
@@ -87,9 +85,7 @@ def register(app: FastAPI, router: Any) -> None:
     def count(body: Any) -> dict[str, Any]:
         req = translate(body, count_only=True)
         try:
-            served_model(req.chat, info)
-            tools = parse_tools(req.chat, info.tool_parser, info.tokenizer)
-            return {"input_tokens": len(chat_prompt(req.chat, info.tokenizer, tools))}
+            return {"input_tokens": len(chat_prompt_ids(req.chat, info))}
         except APIError as e:
             raise in_messages_terms(e, req) from None
 

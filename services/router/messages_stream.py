@@ -94,7 +94,7 @@ class EventStream:
         events = []
         index = call.get("index", 0)
         fn = call.get("function") or {}
-        if index not in self.calls or self.calls[index] != self.index:
+        if self.calls.get(index) != self.index:  # a new call (a call's deltas come together)
             self.has_calls = True
             events += self._open("tool_use", out.tool_use_block(call.get("id") or "", fn.get("name") or "", {}))
             self.calls[index] = self.index

@@ -190,12 +190,18 @@ def chat_template_of(body: dict) -> str | None:
     return template
 
 
+def adds_generation_prompt(body: dict) -> bool:
+    """Whether the chat template ends with the reply's opening: `add_generation_prompt`, by
+    default true unless the request continues its last message (continue_final_message)."""
+    return get_bool(body, "add_generation_prompt", not get_bool(body, "continue_final_message", False))
+
+
 def chat_prompt(body: dict, tokenizer: Tokenizer, tools: ToolRequest | None = None,
                 messages: list[dict[str, Any]] | None = None) -> list[int]:
     if messages is None:
         messages = normalize_chat_messages(body.get("messages"))
     continue_final_message = get_bool(body, "continue_final_message", False)
-    add_generation_prompt = get_bool(body, "add_generation_prompt", not continue_final_message)
+    add_generation_prompt = adds_generation_prompt(body)
     if continue_final_message and add_generation_prompt:
         raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true.",
                           param="continue_final_message", code="invalid_value")

@@ -25,6 +25,7 @@ from services.router.limits import (
 )
 from services.router.prompts import (
     Prompt,
+    adds_generation_prompt,
     chat_prompt,
     check_ids,
     completion_prompts,
@@ -607,11 +608,10 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerateSpec:
     reasoning = _reasoning(body, info, ids, kw)
     # vLLM's rule: after a generation prompt the reply is --response-role's; a continued
     # message keeps its own role
-    generation_prompt = get_bool(body, "add_generation_prompt", not get_bool(body, "continue_final_message", False))
     return GenerateSpec(
         **reasoning,
         kind="chat",
-        role=info.response_role if generation_prompt else messages[-1]["role"],
+        role=info.response_role if adds_generation_prompt(body) else messages[-1]["role"],
         model=model,
         prompt_ids=ids,
         max_tokens=max_tokens,

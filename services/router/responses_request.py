@@ -67,6 +67,7 @@ def translate(body: Any, store: ResponsesStore | None = None) -> ResponsesReques
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
     _refuse(body, store is not None)
+    opaque = _opaque_reasoning(body)
     stream = get_bool(body, "stream", False)
     keep = store is not None and get_bool(body, "store", True)
     previous = get_str(body, "previous_response_id", None)
@@ -127,11 +128,17 @@ def translate(body: Any, store: ResponsesStore | None = None) -> ResponsesReques
         "user": body.get("user"),
     }
     return ResponsesRequest(chat=chat, echo=echo, stream=stream, store=keep, input_items=items,
-                            context=earlier + items, opaque_reasoning=ENCRYPTED_REASONING in _include(body))
+                            context=earlier + items, opaque_reasoning=opaque)
 
 
-def _include(body: dict) -> list[Any]:
-    return get_list(body, "include", None) or []
+def _opaque_reasoning(body: dict) -> bool:
+    """`include`: only reasoning.encrypted_content is served (whether it is asked)."""
+    include = get_list(body, "include", None) or []
+    for extra in include:
+        if extra != ENCRYPTED_REASONING:
+            raise bad_request(f"'include' value {str(extra)[:64]!r} is not supported; only "
+                              f"'{ENCRYPTED_REASONING}' is.", param="include", code="unsupported_value")
+    return ENCRYPTED_REASONING in include
 
 
 def _refuse(body: dict, stored: bool) -> None:
@@ -146,10 +153,6 @@ def _refuse(body: dict, stored: bool) -> None:
         value = body.get(name)
         if not any(value is d if d is None or isinstance(d, bool) else value == d for d in defaults):
             raise bad_request(f"'{name}' is not supported: {reason}.", param=name, code="unsupported_value")
-    for extra in _include(body):
-        if extra != ENCRYPTED_REASONING:
-            raise bad_request(f"'include' value {str(extra)[:64]!r} is not supported; only "
-                              f"'{ENCRYPTED_REASONING}' is.", param="include", code="unsupported_value")
 
 
 # --- input -> messages ------------------------------------------------------------------------

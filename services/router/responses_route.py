@@ -23,7 +23,6 @@ from fastapi.responses import JSONResponse, Response
 from services.common.random_bits import randbits63
 from services.router import generation_routes, openapi
 from services.router.errors import APIError
-from services.router.getters import get_int, get_str
 from services.router.protocol import parse_chat
 from services.router.responses_output import from_chat
 from services.router.responses_request import ResponsesRequest, translate
@@ -87,9 +86,10 @@ def listed(item: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def keep(store: ResponsesStore, req: ResponsesRequest, response: dict[str, Any]) -> None:
-    """Store a finished Response with its own input and the conversation a follow-up continues."""
-    if not req.store or response.get("status") not in ("completed", "incomplete"):
+def keep(store: ResponsesStore | None, req: ResponsesRequest, response: dict[str, Any]) -> None:
+    """Store a finished Response with its own input and the conversation a follow-up continues
+    (when asked: `req.store` is never set without a store)."""
+    if store is None or not req.store or response.get("status") not in ("completed", "incomplete"):
         return
     items = [listed(item) for item in req.input_items]
     store.put(response, items, req.context + list(response["output"]))
@@ -119,14 +119,13 @@ def register(app: FastAPI, router: Any) -> None:
 
         def reshape(chat: dict[str, Any]) -> dict[str, Any]:
             out = from_chat(chat, seen[0].echo, seen[0].opaque_reasoning)
-            if store is not None:
-                keep(store, seen[0], out)
+            keep(store, seen[0], out)
             return out
 
         response = await generation_routes.generate(router, request, "chat", parse, reshape=reshape)
         if isinstance(response, SSEResponse):
-            on_final = (lambda out: keep(store, seen[0], out)) if store is not None else None
-            response.events = translate_sse(response.events, seen[0].echo, on_final, seen[0].opaque_reasoning)
+            response.events = translate_sse(response.events, seen[0].echo, lambda out: keep(store, seen[0], out),
+                                            seen[0].opaque_reasoning)
             return response
         if response.status_code >= 400:
             return _error(response) if response.body else response
@@ -164,12 +163,13 @@ def register(app: FastAPI, router: Any) -> None:
         (the default) or asc, `limit` 1-100 (20), `after` an item id."""
         try:
             entry = stored(request, response_id)
-            query = dict(request.query_params)
-            order = get_str(query, "order", "desc")
+            query = request.query_params
+            order = query.get("order", "desc")
             if order not in ("asc", "desc"):
                 raise APIError(400, "'order' must be 'asc' or 'desc'.", param="order", code="invalid_value")
-            limit = get_int({"limit": int(query["limit"]) if query.get("limit", "").isdigit() else query.get("limit")},
-                            "limit", 20, 1, 100)
+            limit = query.get("limit", "20")
+            if not limit.isdigit() or not 1 <= int(limit) <= 100:
+                raise APIError(400, "'limit' must be an integer from 1 to 100.", param="limit", code="invalid_value")
         except APIError as e:
             return router.error_response(e)
         items = entry.input_items if order == "asc" else entry.input_items[::-1]
@@ -177,6 +177,6 @@ def register(app: FastAPI, router: Any) -> None:
         if after is not None:
             ids = [item.get("id") for item in items]
             items = items[ids.index(after) + 1:] if after in ids else []
-        page = items[:limit]
+        page = items[:int(limit)]
         return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
+                             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)})

@@ -104,6 +104,11 @@ class _Sampling(_Body):
     stream_interval: int | None = Field(None, ge=1, le=1 << 20,
                                         description="vLLM extension: tokens per streamed event (the first and the "
                                                     "last event go out at once)")
+    use_beam_search: bool | None = Field(None, description="vLLM extension: the n choices are the n best beams "
+                                                           "(width n, at most 10), best first")
+    length_penalty: float | None = Field(None, ge=-100, le=100,
+                                         description="vLLM extension, with use_beam_search: a beam's score is its "
+                                                     "summed logprobs / length ^ length_penalty (default 1)")
     user: str | None = Field(None, description="Informational")
     metadata: dict[str, Any] | None = Field(None, description="Informational")
     store: bool | None = Field(None, description="Informational: nothing is stored")

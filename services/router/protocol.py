@@ -15,6 +15,7 @@ from typing import Any
 from services.common.random_bits import randbits63
 from services.common.sampling_params import UINT32_MAX, api_fields
 from services.common.tokenizer import Tokenizer
+from services.router.beam_request import beam_fields, check_beam_spec
 from services.router.errors import bad_request, invalid_type, model_not_found
 from services.router.getters import get_bool, get_float, get_int, get_str, is_int, is_number
 from services.router.limits import (
@@ -164,6 +165,10 @@ class GenerateSpec:
     # a batched completions request: one spec per prompt (each with its own prompt_ids, echo_text
     # and max_tokens); empty for a single prompt, whose spec is this one
     batch: tuple[GenerateSpec, ...] = ()
+    # vLLM's use_beam_search: the n choices are the n best beams (services/router/beam_search.py),
+    # scored with length_penalty
+    beam_search: bool = False
+    length_penalty: float = 1.0
 
     @property
     def echo_logprobs(self) -> bool:
@@ -517,13 +522,17 @@ def parse_completion(body: Any, info: ModelInfo) -> GenerateSpec:
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
     model = served_model(body, info)
+    beam = beam_fields(body)
     body = _with_defaults(body, info)
     kw = _common(body, info, "completion")
+    kw.update(beam)
     logprobs = get_int(body, "logprobs", None, 0, info.max_logprobs)
     echo = get_bool(body, "echo", False)
     asked = body
     body = _echo_only(body, echo)
     kw["echo_only"] = body is not asked
+    if beam:
+        check_beam_spec(kw["n"], kw["grammar_param"], kw["grammar"])
     prompts = completion_prompts(body, info.tokenizer)
     if len(prompts) * kw["n"] > MAX_CHOICES:
         raise bad_request(f"prompts x n must be at most {MAX_CHOICES}, got {len(prompts)} x {kw['n']}.",
@@ -578,9 +587,11 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerateSpec:
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
     model = served_model(body, info)
+    beam = beam_fields(body)
     body = _with_defaults(body, info)
     tools = parse_tools(body, info.tool_parser, info.tokenizer, info.limits, info.auto_tool_choice)
     kw = _common(body, info, "chat")
+    kw.update(beam)
     want_logprobs = get_bool(body, "logprobs", False)
     top_logprobs = get_int(body, "top_logprobs", None, 0, info.max_logprobs)
     if top_logprobs is not None and not want_logprobs:
@@ -606,6 +617,8 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerateSpec:
     check_prompt_logprobs_size(len(ids), kw["prompt_logprobs"], "messages")
     echoed = echo_text(body, messages)
     reasoning = _reasoning(body, info, ids, kw)
+    if beam:
+        check_beam_spec(kw["n"], kw["grammar_param"], kw["grammar"])
     # vLLM's rule: after a generation prompt the reply is --response-role's; a continued
     # message keeps its own role
     return GenerateSpec(

@@ -19,6 +19,7 @@ from fastapi.responses import Response
 from services.common.logging_setup import get_logger
 from services.common.metrics import observe_many
 from services.router import errors
+from services.router.beam_run import BeamRun
 from services.router.errors import APIError
 from services.router.fanout import IDLE, FanIn, PrefillShare, Single
 from services.router.http_errors import CLIENT_CLOSED, error_json
@@ -39,7 +40,8 @@ class RequestDriver:
     """One admitted generation request: drives the orchestrator, records metrics, logs its end.
 
     With n > 1 every choice is its own orchestrator run (router fan-out, services/router/fanout.py)
-    with seed + index, sharing one prefill that computes the prompt once; the response is
+    with seed + index, sharing one prefill that computes the prompt once; with beam search each
+    prompt's choices come from one search (services/router/beam_run.py). The response is
     assembled from one ResponseState per choice.
 
     `router` is the Router (services/router/service.py): its tokenizer, settings, orchestrator
@@ -65,7 +67,15 @@ class RequestDriver:
         timeout = router.settings.request_timeout
         buffered = router.settings.max_buffered_tokens * len(self.choices)  # the flag is per choice
         orchestrator = router.orchestrator
-        if len(self.choices) == 1:
+        if spec.beam_search:
+            # each prompt's n choices are its n best beams, searched once (services/router/beam_run.py);
+            # `requests` collects every step's request object
+            self.requests = []
+            runs = [BeamRun(orchestrator, p, deadline, timeout, self.requests, request_id if i == 0 else None)
+                    for i, p in enumerate(spec.prompts)]
+            # no bound on what waits for a slow client: the beams are whole in the router already
+            self.fan = FanIn([gen for run in runs for gen in run.choices()])
+        elif len(self.choices) == 1:
             # each choice's request object (services/router/request_state.py): its status, progress, budget
             self.requests = [orchestrator.new_request(self._choice_spec(spec, 0), first_room=request_id)]
             gen = orchestrator.generate(self.requests[0], deadline, timeout)

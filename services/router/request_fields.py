@@ -31,8 +31,6 @@ class Refused:
 REFUSED: dict[str, Refused] = {
     "suffix": Refused("text after the completion (fill-in-the-middle) is not supported", (None, ""),
                       frozenset({COMPLETION})),
-    "use_beam_search": Refused("beam search is not supported", (None, False)),
-    "length_penalty": Refused("length_penalty applies to beam search, which is not supported", (None, 1, 1.0)),
     "watermarking": Refused("watermarking is not supported", (None, False)),
     "spaces_between_special_tokens": Refused(
         "only the tokenizer's own decoding (spaces_between_special_tokens true) is supported", (None, True)),

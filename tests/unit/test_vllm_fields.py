@@ -103,6 +103,8 @@ SHARED_EFFECTS = {
     "cache_salt": ({}, "tenant-7f3a", lambda s: _wire(s).cache_salt),
     "stream_interval": ({"stream": True}, 4, lambda s: s.stream_interval),
     "priority": ({}, -5, lambda s: _wire(s).priority),
+    "use_beam_search": ({}, True, lambda s: s.beam_search),
+    "length_penalty": ({"use_beam_search": True}, 0.5, lambda s: s.length_penalty),
 }
 CHAT_EFFECTS = {
     **SHARED_EFFECTS,
@@ -136,7 +138,7 @@ COMPLETION_EFFECTS = {
 }
 # a refused field's value that asks for what is not supported
 REFUSED_VALUES = {
-    "use_beam_search": True, "length_penalty": 0.5, "watermarking": True, "spaces_between_special_tokens": False,
+    "watermarking": True, "spaces_between_special_tokens": False,
     "logprob_token_ids": [1], "prompt_embeds": "AAAA", "media_io_kwargs": {"image": {}},
     "mm_processor_kwargs": {"a": 1},
     "return_token_offsets": True, "return_prompt_text": True, "return_mm_kwargs": False,

@@ -34,6 +34,8 @@ class Flag:
     help: str
     choices: Sequence[Any] | None = None
     repeatable: bool = False  # may be given several times; env twin is comma-separated
+    # a repeatable flag that also takes several values after one name (vLLM's nargs="+")
+    several: bool = False
     # other names for it, vLLM's or SGLang's, that a command line written for them uses; for a
     # switch, `aliases` turn it on and `off_names` off
     aliases: tuple[str, ...] = ()
@@ -69,6 +71,20 @@ TOKENIZER_FLAG = Flag("tokenizer", str, "",
                       "the model folder's; empty: the model's. Give the router and both workers the same one")
 
 
+# vLLM's LoRA flags: the router lists and accepts the adapters, both workers load and compute them
+LORA_FLAGS = [
+    Flag("enable-lora", bool, False, "serve LoRA adapters (vLLM's flag): needed by --lora-modules"),
+    Flag("lora-modules", str, [],
+         "LoRA adapters served beside the model, as vLLM's flag: name=path (a PEFT adapter folder) or "
+         "'{\"name\": ..., \"path\": ...}', several after one flag or repeated (env: comma-separated); a "
+         "request names one as its model. Give the router and both workers the same list",
+         repeatable=True, several=True),
+]
+MAX_LORA_RANK_FLAG = Flag("max-lora-rank", int, 16,
+                          "the highest rank of a LoRA adapter this worker loads (vLLM's flag); a higher one stops "
+                          "the start")
+
+
 # --- knobs shared by both workers ------------------------------------------------------------
 WORKER_FLAGS = [
     log_requests_flag(
@@ -78,6 +94,8 @@ WORKER_FLAGS = [
         "every request either way."),
     Flag("model", str, "builtin", "Hugging Face model folder, or 'builtin' for the built-in tiny model"),
     TOKENIZER_FLAG,
+    *LORA_FLAGS,
+    MAX_LORA_RANK_FLAG,
     Flag("device", str, "auto", "torch device: cpu, cuda:N, or auto (first GPU if any, else cpu)"),
     Flag("dtype", str, "auto", "float32, bfloat16, float16, or auto (float32 on cpu, bfloat16 on cuda)",
          choices=("auto", "float32", "bfloat16", "float16")),
@@ -181,6 +199,7 @@ ROUTER_FLAGS = [
     Flag("port", int, 8000, "HTTP port of the OpenAI-compatible API"),
     Flag("model", str, "builtin", "model folder for the tokenizer and chat template, or 'builtin'"),
     TOKENIZER_FLAG,
+    *LORA_FLAGS,
     Flag("served-model-name", str, [],
          "model names clients may send, repeatable (env: comma-separated); the first names responses and "
          "labels metrics (default: the model folder's name)", repeatable=True),
@@ -435,6 +454,8 @@ def list_items(text: str) -> list[str]:
     """A repeatable flag's values in one text: comma-separated, or a JSON list of strings (how vLLM
     takes --allowed-origins). A bracketed text that is not such a list ("[::1]:50051") is one value."""
     stripped = text.strip()
+    if stripped.startswith("{") and stripped.endswith("}"):
+        return [stripped]  # a JSON object is one value (vLLM's --lora-modules form)
     if stripped.startswith("[") and stripped.endswith("]"):
         try:
             items = json.loads(stripped)
@@ -493,8 +514,10 @@ def build_parser(prog: str, description: str, flags: Sequence[Flag]) -> argparse
         if flag.choices:
             kwargs["choices"] = flag.choices
         if flag.repeatable:
-            kwargs["action"] = "append"
+            kwargs["action"] = "extend" if flag.several else "append"
             kwargs["default"] = None
+            if flag.several:
+                kwargs["nargs"] = "+"
         if flag.type is bool:  # a switch, as vLLM's and SGLang's: alone it turns on, --no-NAME off
             kwargs.update(nargs="?", const=True, metavar="{true,false}")
         parser.add_argument(f"--{flag.name}", *(f"--{n}" for n in flag.aliases), **kwargs)

@@ -118,6 +118,9 @@ class SamplingParams:
     # lowest value first, then in arrival order, and retract the highest value, latest first.
     # Not a sampling control either; 0 for every request under the default fcfs policy.
     priority: int = param(0, range=Range(-(1 << 31), (1 << 31) - 1))
+    # vLLM's LoRA: the adapter (by its --lora-modules name) both workers compute this request
+    # with; "" the base model. The prefix cache keys its pages apart from other adapters'.
+    lora_name: str = param("")
 
     def __post_init__(self):
         for name, lo, hi, lo_open, rng in _RANGE_CHECKS:

@@ -51,6 +51,7 @@ class WorkerServicer(LaneServicerMixin):
             await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, Refusal.TOO_LONG, too_long)
         try:
             params = parse_request(request.params, ids, engine.config)
+            engine.check_lora(params)
             if params.grammar is not None:  # a big grammar compiles for seconds: off the event loop
                 await asyncio.to_thread(engine.check_grammar, params)
             check()

@@ -96,7 +96,7 @@ class Admission:
         # a colocated job asking for prompt logprobs computes its whole prompt (their logits are
         # not cached: services/engine/prompt_logprobs.py); with a prefill worker prefill computes them
         reads_cache = cache is not None and not (job.colocated and job.params.prompt_logprobs is not None)
-        hit = (cache.acquire(job.token_ids, job.room, keys=cache.keys(job.token_ids, job.params.cache_salt))
+        hit = (cache.acquire(job.token_ids, job.room, keys=cache.keys(job.token_ids, job.params.cache_salt, job.params.lora_name))
                if reads_cache else [])
         try:
             fresh = alloc.alloc(self.pool.pages_for_tokens(len(job.token_ids) + 1) - len(hit), owner=job.room)

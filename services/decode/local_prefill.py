@@ -38,7 +38,8 @@ def pick_chunks(jobs: Sequence[Job], budget: int) -> list[tuple[Job, int]]:
 async def run_chunks(scheduler, batch: list[tuple[Job, int]]) -> None:
     """One local prefill forward for `batch`; finished prompts emit their first token."""
     worker, engine = scheduler.worker, scheduler.engine
-    items = [PrefillItem(j.token_ids[j.prefilled : j.prefilled + n], j.prefilled, list(j.pages)) for j, n in batch]
+    items = [PrefillItem(j.token_ids[j.prefilled : j.prefilled + n], j.prefilled, list(j.pages), j.params.lora_name)
+             for j, n in batch]
     finals = [i for i, (j, n) in enumerate(batch) if j.prefilled + n == len(j.token_ids)]
     params = [batch[i][0].params for i in finals]
     positions = [len(batch[i][0].token_ids) for i in finals]

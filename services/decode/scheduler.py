@@ -133,7 +133,7 @@ class DecodeScheduler:
             resumed.append(job)
             headroom += 1
         if resumed:
-            items = [PrefillItem(j.token_ids + j.output[:-1], 0, list(j.pages)) for j in resumed]
+            items = [PrefillItem(j.token_ids + j.output[:-1], 0, list(j.pages), j.params.lora_name) for j in resumed]
             error = await self._forward(resumed, lambda: self.engine.runner.prefill(items))
             for job in resumed:
                 if job.finished:  # ended during the recompute: its release waited for the forward
@@ -163,7 +163,8 @@ class DecodeScheduler:
     async def _run(self, batch: list[Job]) -> None:
         engine = self.engine
         positions = [j.context_len - 1 for j in batch]  # the last token goes in here
-        items = [DecodeItem(j.output[-1], p, list(j.pages)) for j, p in zip(batch, positions, strict=True)]
+        items = [DecodeItem(j.output[-1], p, list(j.pages), j.params.lora_name)
+                 for j, p in zip(batch, positions, strict=True)]
         params = [j.params for j in batch]
         histories = [(j.token_ids, j.output) for j in batch]  # for penalties / logit_bias / min_tokens / grammar
         rooms = [j.room for j in batch]  # grammar matchers are cached per room

@@ -198,7 +198,7 @@ class DecodeWorker:
         else:
             return
         cache.insert(tokens, job.pages, len(tokens) // self.engine.pool.page_size,
-                     cache.keys(tokens, job.params.cache_salt))
+                     cache.keys(tokens, job.params.cache_salt, job.params.lora_name))
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached page; pages running jobs hold stay theirs. Returns entries dropped."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from services.common.sampling_params import SamplingParams
 from services.engine.grammar import GrammarRegistry
 from services.engine.kv_pool import KVPool
+from services.engine.lora import LoraAdapters
 from services.engine.model import CausalLM
 from services.engine.runner import DecodeItem, ModelRunner, PrefillItem
 from services.engine.sampler import Sampler
@@ -48,9 +49,11 @@ def generate_full(
     params: list[SamplingParams],
     chunk_budget: int = 512,
     grammars: GrammarRegistry | None = None,
+    adapters: LoraAdapters | None = None,
 ) -> list[Generation]:
-    """grammars: needed by requests with structured output (params.grammar)."""
-    runner, sampler = ModelRunner(model, pool), Sampler(grammars)
+    """grammars: needed by requests with structured output (params.grammar); adapters: by requests
+    naming a LoRA adapter (params.lora_name)."""
+    runner, sampler = ModelRunner(model, pool, adapters), Sampler(grammars)
     eos_ids = model.config.eos_token_ids
     seqs = []
     try:
@@ -71,7 +74,7 @@ def generate_full(
             if running:
                 pos = [len(s.prompt) + len(s.output) - 1 for s in running]
                 logits = runner.decode(
-                    [DecodeItem(s.output[-1], p, s.pages) for s, p in zip(running, pos, strict=True)]
+                    [DecodeItem(s.output[-1], p, s.pages, s.params.lora_name) for s, p in zip(running, pos, strict=True)]
                 )
                 toks, lps = sampler.sample(logits, [s.params for s in running], [p + 1 for p in pos],
                                            [(s.prompt, s.output) for s in running], [("local", s.idx) for s in running])
@@ -88,7 +91,8 @@ def generate_full(
                     budget -= n
             if chunks:
                 logits = runner.prefill(
-                    [PrefillItem(s.prompt[s.prefilled : s.prefilled + n], s.prefilled, s.pages) for s, n in chunks]
+                    [PrefillItem(s.prompt[s.prefilled : s.prefilled + n], s.prefilled, s.pages, s.params.lora_name)
+                     for s, n in chunks]
                 )
                 final = []
                 for row, (s, n) in enumerate(chunks):

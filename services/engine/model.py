@@ -18,11 +18,21 @@ from services.engine.rope import RotaryEmbedding, apply_rope
 class Linear(nn.Linear):
     """nn.Linear, left uninitialized when built on the meta device: a checkpoint's weights replace
     them, and initializing meta tensors runs through torch._refs, whose first call imports
-    torch._dynamo (about a second of every worker's start)."""
+    torch._dynamo (about a second of every worker's start). A layer LoRA adapters target adds
+    their updates for the rows of the requests that named them (services/engine/lora.py)."""
+
+    lora = None  # a LoraLayer once an adapter targets this layer
 
     def reset_parameters(self) -> None:
         if not self.weight.is_meta:
             super().reset_parameters()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        lora = self.lora
+        if lora is None or not lora.selection.groups:
+            return y
+        return lora.add(x, y)
 
 
 class Embedding(nn.Embedding):

@@ -19,7 +19,9 @@ different prefixes never share a page in practice, whatever the tokens are.
 A request with vLLM's `cache_salt` starts its chain from a digest of the salt instead of the
 empty root (`chain_root`): its pages are found again only by requests with the same salt and
 the same tokens, so a tenant that keeps its salt secret cannot learn from a cache hit (or its
-timing) what another tenant's prompts were. Nothing else changes: a salted key is a key.
+timing) what another tenant's prompts were. Nothing else changes: a salted key is a key. A
+request computed with a LoRA adapter starts from a digest of the adapter's name (and its salt):
+the same tokens give other KV under another adapter.
 
 The allocator (services/engine/page_allocator.py) keeps each page's holders and the LRU order
 of idle cached pages; this module keeps the keys. They agree at all times (`check_integrity`):
@@ -37,12 +39,17 @@ from services.engine.page_allocator import AllocatorError, PageAllocator
 ROOT = b""
 
 
-def chain_root(salt: str) -> bytes:
-    """Where a request's chain starts: ROOT unsalted, else a digest of its cache_salt (a
-    domain-separated one, so no salt's root equals a page key of some token sequence)."""
-    if not salt:
-        return ROOT
-    return hashlib.blake2b(b"pdmesh cache_salt\0" + salt.encode(), digest_size=16).digest()
+def chain_root(salt: str, lora: str = "") -> bytes:
+    """Where a request's chain starts: ROOT unsalted on the base model, else a digest of its
+    cache_salt and LoRA adapter (domain-separated, so no root equals a page key of some token
+    sequence, and no salt spells an adapter: the name's length leads it)."""
+    if not lora:
+        if not salt:
+            return ROOT
+        return hashlib.blake2b(b"pdmesh cache_salt\0" + salt.encode(), digest_size=16).digest()
+    name = lora.encode()
+    return hashlib.blake2b(b"pdmesh lora\0" + len(name).to_bytes(4, "little") + name + salt.encode(),
+                           digest_size=16).digest()
 
 
 def page_keys(token_ids: Sequence[int], page_size: int, num_pages: int | None = None, start: int = 0,
@@ -93,10 +100,10 @@ class PrefixCache:
         and its KV goes into a page of the request's own, never into a shared one."""
         return max(0, num_tokens - 1) // self.page_size
 
-    def keys(self, token_ids: Sequence[int], salt: str = "") -> list[bytes]:
-        """Every full page's key (under the request's cache_salt): computed once per sequence,
-        passed to match/insert."""
-        return page_keys(token_ids, self.page_size, parent=chain_root(salt))
+    def keys(self, token_ids: Sequence[int], salt: str = "", lora: str = "") -> list[bytes]:
+        """Every full page's key (under the request's cache_salt and LoRA adapter): computed once
+        per sequence, passed to match/insert."""
+        return page_keys(token_ids, self.page_size, parent=chain_root(salt, lora))
 
     def match(self, token_ids: Sequence[int], max_pages: int | None = None, keys: list[bytes] | None = None) -> list[int]:
         """The cached pages of the longest cached prefix of token_ids (full pages only), at most

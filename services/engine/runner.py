@@ -6,7 +6,8 @@ positions and hand them in. It only turns them into index tensors and runs the m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ from services.engine.attention_metadata import (
     group_fresh_spans,
 )
 from services.engine.kv_pool import KVPool
+from services.engine.lora import LoraAdapters
 from services.engine.model import CausalLM
 
 
@@ -27,6 +29,7 @@ class PrefillItem:
     token_ids: list[int]  # this chunk's tokens
     start_pos: int  # tokens of this sequence already in the cache
     page_table: list[int]  # must cover start_pos + len(token_ids) tokens
+    lora: str = ""  # the LoRA adapter its request named ("": the base model)
 
 
 @dataclass
@@ -34,11 +37,13 @@ class DecodeItem:
     token_id: int  # the last sampled token, not yet in the cache
     position: int  # its position (= tokens already cached)
     page_table: list[int]  # must cover position + 1 tokens
+    lora: str = ""  # the LoRA adapter its request named ("": the base model)
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, pool: KVPool):
+    def __init__(self, model: CausalLM, pool: KVPool, adapters: LoraAdapters | None = None):
         self.model = model
+        self.adapters = adapters  # the LoRA adapters served (services/engine/lora.py); None: none
         self.pool = pool
         self.device = pool.device
         self.page_size = pool.page_size
@@ -100,8 +105,16 @@ class ModelRunner:
             n = len(items[i].token_ids)
             full[i] = (len(rows), n)
             rows.extend(range(last_rows[i] - n + 1, last_rows[i] + 1))
-        logits = self.model(input_ids, meta, self.pool, torch.tensor(rows, device=self.device))
+        with self._adapters(items, lambda i: torch.arange(last_rows[i] - len(items[i].token_ids) + 1,
+                                                          last_rows[i] + 1)):
+            logits = self.model(input_ids, meta, self.pool, torch.tensor(rows, device=self.device))
         return logits[: len(items)], {i: logits[at : at + n] for i, (at, n) in full.items()}
+
+    def _adapters(self, items: Sequence[PrefillItem | DecodeItem], rows_of: Callable[[int], torch.Tensor]):
+        """The LoRA rows of one forward (`rows_of(i)`: item i's rows), selected while it runs."""
+        if self.adapters is None or not any(item.lora for item in items):
+            return contextlib.nullcontext()
+        return self.adapters.rows([item.lora for item in items], [rows_of(i) for i in range(len(items))])
 
     def _fresh_batch(self, group: list[PrefillSeqSpan]) -> FreshBatch:
         longest = max(s.num_tokens for s in group)
@@ -140,4 +153,5 @@ class ModelRunner:
             decode_mask=mask.to(self.device),
         )
         input_ids = torch.tensor([it.token_id for it in items], dtype=torch.long, device=self.device)
-        return self.model(input_ids, meta, self.pool)
+        with self._adapters(items, lambda i: torch.tensor([i])):
+            return self.model(input_ids, meta, self.pool)

@@ -17,19 +17,21 @@ import dataclasses
 import pathlib
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import structlog
 import torch
 
 from services.common.faults import Faults
+from services.common.lora_modules import LoraError, parse_lora_modules
 from services.common.sampling_params import SamplingParams
 from services.common.tokenizer import load_tokenizer, resolve_model_path
 from services.engine.grammar import DEFAULT_STEP_BUDGET, GrammarError, GrammarRegistry, build_tokenizer
 from services.engine.kv_budget import size_pool
 from services.engine.kv_pool import KVPool
 from services.engine.loader import LoadedModel, load_model
+from services.engine.lora import DEFAULT_MAX_RANK, LoraAdapters
 from services.engine.prefix_cache import PrefixCache
 from services.engine.runner import ModelRunner
 from services.engine.sampler import Sampler
@@ -49,10 +51,15 @@ class WorkerEngine:
         self, model_path: str, device: str, dtype: str, num_pages: int, page_size: int, faults: Faults | None = None,
         *, kv_cache_memory_bytes: int = 0, gpu_memory_utilization: float = 0.9, max_model_len: int = 0,
         chunk_tokens: int = 512, prefix_cache: bool = False, grammar_step_budget: float = DEFAULT_STEP_BUDGET,
-        tokenizer_path: str = "",
+        tokenizer_path: str = "", enable_lora: bool = False, lora_modules: Sequence[str] = (),
+        max_lora_rank: int = DEFAULT_MAX_RANK,
     ):
         """num_pages 0: the pool is sized from the budget (services/engine/kv_budget.py); max_model_len
-        0: the model's max_position_embeddings; tokenizer_path "" : the model folder's tokenizer."""
+        0: the model's max_position_embeddings; tokenizer_path "" : the model folder's tokenizer;
+        lora_modules: --lora-modules' values (services/engine/lora.py), which need enable_lora."""
+        modules = parse_lora_modules(lora_modules)
+        if modules and not enable_lora:
+            raise LoraError("--lora-modules needs --enable-lora (as vLLM's)")
         if faults is not None and faults.slow_load:
             time.sleep(faults.slow_load)  # runs in the worker's load thread: its HTTP side keeps answering
         self.loaded: LoadedModel = load_model(model_path, device, None if dtype == "auto" else _DTYPES[dtype])
@@ -68,7 +75,11 @@ class WorkerEngine:
         if tokens < self.config.max_model_len:
             log.warning("kv cache holds fewer tokens than the max model length: longer requests are refused",
                         tokens=tokens, max_model_len=self.config.max_model_len)
-        self.runner = ModelRunner(self.loaded.model, self.pool)
+        # the LoRA adapters this worker computes requests with (None: LoRA off)
+        self.adapters = LoraAdapters(self.loaded.model, modules, max_lora_rank) if enable_lora else None
+        if modules:
+            log.info("lora adapters loaded", adapters=self.adapters.paths, max_lora_rank=max_lora_rank)
+        self.runner = ModelRunner(self.loaded.model, self.pool, self.adapters)
         # full pages found again by their token ids (--prefix-cache); None: every page is a room's own
         self.prefix_cache = PrefixCache(self.pool.allocator, page_size) if prefix_cache else None
         self.grammars = _grammar_registry(tokenizer_path, self.loaded, model_path, self.config.vocab_size,
@@ -88,7 +99,9 @@ class WorkerEngine:
                    kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
                    gpu_memory_utilization=settings.gpu_memory_utilization, max_model_len=settings.max_model_len,
                    chunk_tokens=settings.chunked_prefill_size, prefix_cache=settings.prefix_cache,
-                   grammar_step_budget=settings.grammar_step_budget, tokenizer_path=settings.tokenizer)
+                   grammar_step_budget=settings.grammar_step_budget, tokenizer_path=settings.tokenizer,
+                   enable_lora=settings.enable_lora, lora_modules=settings.lora_modules,
+                   max_lora_rank=settings.max_lora_rank)
 
     @property
     def model_name(self) -> str:
@@ -114,6 +127,13 @@ class WorkerEngine:
             self.grammars.compile(params.grammar)
         except (GrammarError, ValueError) as e:
             raise ValueError(f"invalid grammar: {e}") from None
+
+    def check_lora(self, params: SamplingParams) -> None:
+        """A request naming an adapter this worker does not serve is INVALID_ARGUMENT (ValueError)."""
+        name = params.lora_name
+        if name and (self.adapters is None or name not in self.adapters):
+            served = ", ".join(self.adapters.names) if self.adapters and self.adapters.names else "none"
+            raise ValueError(f"LoRA adapter {name!r} is not served by this worker (its adapters: {served})")
 
     def forget_room(self, room: int) -> None:
         """The room's per-request engine state (its grammar matcher) is no longer needed."""

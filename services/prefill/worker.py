@@ -250,7 +250,7 @@ class PrefillWorker:
         use_cache = cache is not None and job.params.prompt_logprobs is None
         hit = []
         if cache is not None:
-            job.cache_keys = cache.keys(job.token_ids, job.params.cache_salt)  # once: every chunk's insert reuses them
+            job.cache_keys = cache.keys(job.token_ids, job.params.cache_salt, job.params.lora_name)  # once: every chunk's insert reuses them
         if use_cache:
             hit = cache.acquire(job.token_ids, job.room, keys=job.cache_keys)
         try:
@@ -325,7 +325,8 @@ class PrefillWorker:
                 await self._run_batch(batch)
 
     async def _run_batch(self, batch: list[tuple[Job, int]]) -> None:
-        items = [PrefillItem(j.token_ids[j.prefilled : j.prefilled + n], j.prefilled, j.pages) for j, n in batch]
+        items = [PrefillItem(j.token_ids[j.prefilled : j.prefilled + n], j.prefilled, j.pages, j.params.lora_name)
+                 for j, n in batch]
         finals = [i for i, (j, n) in enumerate(batch) if n == j.remaining]
         final_jobs = [batch[i][0] for i in finals]
         # the history feeds penalties / logit_bias / min_tokens

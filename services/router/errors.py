@@ -110,10 +110,11 @@ def unauthorized() -> APIError:
     )
 
 
-def model_not_found(name: str, served: str) -> APIError:
+def model_not_found(name: str, served: str, adapters: list[str] | None = None) -> APIError:
+    also = f" and the LoRA adapters {', '.join(repr(a) for a in adapters)}" if adapters else ""
     return APIError(
         404,
-        f"The model '{name}' does not exist. This server serves '{served}'.",
+        f"The model '{name}' does not exist. This server serves '{served}'{also}.",
         param="model",
         code="model_not_found",
     )

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from services.common.lora_modules import parse_lora_modules
 from services.common.sampling_params import api_fields
 from services.common.tokenizer import BUILTIN_RANDOM, GENERATION_CONFIG_FILE, resolve_model_path
 from services.router.protocol import GENERATION_DEFAULTS, MAX_LOGPROBS
@@ -29,6 +30,18 @@ def served_names(model: str, explicit: list[str] | str, default_name: str) -> li
     names = [explicit] if isinstance(explicit, str) else list(explicit)
     names = [n for n in dict.fromkeys(names) if n]
     return names or [default_name]
+
+
+def lora_adapters(enabled: bool, values: list[str], model_names: set[str]) -> dict[str, str]:
+    """--lora-modules as name -> folder; as vLLM, they need --enable-lora, and an adapter may not
+    take a name of the base model (a request could not tell them apart)."""
+    modules = parse_lora_modules(values)
+    if modules and not enabled:
+        raise ValueError("--lora-modules needs --enable-lora (as vLLM's)")
+    clash = next((m.name for m in modules if m.name in model_names), None)
+    if clash is not None:
+        raise ValueError(f"--lora-modules: the adapter name {clash!r} is a name of the base model")
+    return {m.name: m.path for m in modules}
 
 
 def max_model_len(flag: int, model_limit: int) -> int:

@@ -90,5 +90,7 @@ def served_model(settings: RouterSettings, tokenizer: Tokenizer,
                      draw_seed=SeededBits(settings.seed + settings.process_index) if settings.seed >= 0
                      else randbits63,
                      max_logprobs=model_controls.max_logprobs(settings.max_logprobs),
+                     adapters=model_controls.lora_adapters(settings.enable_lora, settings.lora_modules,
+                                                           {*names, *aliases}),
                      limits=RequestLimits(settings.max_grammar_bytes, settings.max_request_worker_bytes))
     return names, info

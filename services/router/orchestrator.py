@@ -212,8 +212,8 @@ class Orchestrator:
                 self._check_capacity(req.refused, spec, progress)
                 sharing = req.sharing
                 ids = progress.ids()
-                # hashed once, for both roles (under the request's cache_salt, as the workers key it)
-                prompt = RequestKeys(ids, base.cache_salt) if self.pool.cache_aware else None
+                # hashed once, for both roles (under the request's cache_salt and adapter, as the workers key it)
+                prompt = RequestKeys(ids, base.cache_salt, base.lora_name) if self.pool.cache_aware else None
                 held = await self.pool.choose_pair(req.exclude, share.prefill if sharing else None, prompt,
                                                    allow_local=allow_local and not sharing,
                                                    avoid_pairs=req.failed_pairs)

@@ -40,12 +40,13 @@ from services.engine.prefix_cache import chain_root, page_keys
 
 class RequestKeys:
     """One request's page keys, computed once per page size (workers normally share one), under
-    its cache_salt as the workers compute them."""
+    its cache_salt and LoRA adapter as the workers compute them."""
 
-    def __init__(self, token_ids: Sequence[int], salt: str = ""):
+    def __init__(self, token_ids: Sequence[int], salt: str = "", lora: str = ""):
         self.token_ids = token_ids
         self.salt = salt
-        self._root = chain_root(salt)
+        self.lora = lora
+        self._root = chain_root(salt, lora)
         self._by_page_size: dict[int, list[bytes]] = {}
 
     def __len__(self) -> int:
@@ -61,8 +62,8 @@ class RequestKeys:
         """The keys of a longer sequence that starts with this one (the prompt + its reply): only
         the new pages are hashed, the ones computed here are reused."""
         if list(token_ids[: len(self.token_ids)]) != list(self.token_ids):
-            return RequestKeys(token_ids, self.salt)
-        longer = RequestKeys(token_ids, self.salt)
+            return RequestKeys(token_ids, self.salt, self.lora)
+        longer = RequestKeys(token_ids, self.salt, self.lora)
         for page_size, keys in self._by_page_size.items():
             longer._by_page_size[page_size] = keys + page_keys(
                 token_ids, page_size, start=len(keys), parent=keys[-1] if keys else self._root)

@@ -97,6 +97,8 @@ class ModelInfo:
     scheduling_policy: str = "fcfs"  # --scheduling-policy: priority lets requests set `priority`
     # where a request without a seed gets one: the OS's randomness, or --seed's generator
     draw_seed: Callable[[], int] = randbits63
+    # --lora-modules: each LoRA adapter's name (a request's `model` may name it) and its folder
+    adapters: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -165,6 +167,9 @@ class GenerateSpec:
     # a batched completions request: one spec per prompt (each with its own prompt_ids, echo_text
     # and max_tokens); empty for a single prompt, whose spec is this one
     batch: tuple[GenerateSpec, ...] = ()
+    # vLLM's LoRA: the adapter the request's model names ("": the base model); the workers compute
+    # the request with it, and the prefix cache keys its pages apart
+    lora_name: str = ""
     # vLLM's use_beam_search: the n choices are the n best beams (services/router/beam_search.py),
     # scored with length_penalty
     beam_search: bool = False
@@ -194,16 +199,24 @@ class GenerateSpec:
 
 
 def served_model(body: dict, info: ModelInfo) -> str:
-    """The served name. Left out (or null, or empty) it is this router's model, as vLLM and SGLang
-    serve it: curl users often send no `model`, and there is only one to choose."""
+    """The served name: the model's, or a LoRA adapter's (--lora-modules). Left out (or null, or
+    empty) it is this router's model, as vLLM and SGLang serve it: curl users often send no
+    `model`, and there is only one base model to choose."""
     model = body.get("model")
     if model is None or model == "":
         return info.name
     if not isinstance(model, str):
         raise invalid_type("model", "a string", model)
+    if model in info.adapters:
+        return model
     if model != info.name and model not in info.aliases:
-        raise model_not_found(model, info.name)
+        raise model_not_found(model, info.name, list(info.adapters))
     return info.name
+
+
+def lora_of(model: str, info: ModelInfo) -> str:
+    """The LoRA adapter a served name stands for ("": the base model)."""
+    return model if model in info.adapters else ""
 
 
 def _check_unsupported(body: dict) -> None:
@@ -548,7 +561,8 @@ def parse_completion(body: Any, info: ModelInfo) -> GenerateSpec:
         check_request_size(kw["n"] * len(prompts), len(ids), kw["grammar"], "n" if kw["n"] > 1 else param,
                            info.limits)
         spec = GenerateSpec(kind="completion", model=model, prompt_ids=ids, max_tokens=max_tokens,
-                            logprobs=logprobs, echo=echo, echo_text=text if echo else "", **kw)
+                            logprobs=logprobs, echo=echo, echo_text=text if echo else "",
+                            lora_name=lora_of(model, info), **kw)
         check_prompt_logprobs_size(len(ids), spec.worker_prompt_logprobs, param)
         specs.append(spec)
     if len(specs) == 1:
@@ -626,6 +640,7 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerateSpec:
         kind="chat",
         role=info.response_role if adds_generation_prompt(body) else messages[-1]["role"],
         model=model,
+        lora_name=lora_of(model, info),
         prompt_ids=ids,
         max_tokens=max_tokens,
         logprobs=(top_logprobs or 0) if want_logprobs else None,

@@ -26,7 +26,7 @@ class QueuedWorker:
         self.aborted: list[int] = []
         config = SimpleNamespace(vocab_size=512, max_position_embeddings=4096, max_model_len=4096)
         self.engine = SimpleNamespace(config=config, pool=SimpleNamespace(can_ever_hold=lambda n: True),
-                                      check_grammar=lambda params: None)
+                                      check_grammar=lambda params: None, check_lora=lambda params: None)
 
     def submit(self, room, token_ids, params, prefill_addr, canary=False):
         out: asyncio.Queue = asyncio.Queue()

@@ -60,9 +60,10 @@ class LoraWeights:
 
 @dataclass
 class LoraSelection:
-    """The rows of the running forward that belong to each adapter: [(adapter name, row indices)]."""
+    """The rows of the running forward that belong to each adapter: [(adapter name, row indices,
+    or None when they are all the forward's rows)]."""
 
-    groups: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    groups: list[tuple[str, torch.Tensor | None]] = field(default_factory=list)
 
 
 class LoraLayer:
@@ -73,10 +74,15 @@ class LoraLayer:
         self.weights: dict[str, LoraWeights] = {}
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y (this layer's fresh output, updated in place) plus each adapter's update on its rows."""
         for name, rows in self.selection.groups:
             w = self.weights.get(name)
-            if w is not None:
-                y = y.index_add(0, rows, (x[rows] @ w.a.t()) @ w.b.t(), alpha=w.scale)
+            if w is None:
+                continue
+            if rows is None:  # one adapter for the whole forward: no gather, no scatter
+                y.addmm_(x @ w.a.t(), w.b.t(), alpha=w.scale)
+            else:
+                y.index_add_(0, rows, (x[rows] @ w.a.t()) @ w.b.t(), alpha=w.scale)
         return y
 
 
@@ -177,7 +183,10 @@ class LoraAdapters:
         for name, rows in zip(names, rows_of, strict=True):
             if name:
                 groups.setdefault(name, []).append(rows)
-        self.selection.groups = [(n, torch.cat(r).to(self.device)) for n, r in groups.items()]
+        if len(groups) == 1 and len(next(iter(groups.values()))) == len(names):
+            self.selection.groups = [(next(iter(groups)), None)]
+        else:
+            self.selection.groups = [(n, torch.cat(r).to(self.device)) for n, r in groups.items()]
         try:
             yield
         finally:

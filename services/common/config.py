@@ -200,6 +200,11 @@ ROUTER_FLAGS = [
     Flag("model", str, "builtin", "model folder for the tokenizer and chat template, or 'builtin'"),
     TOKENIZER_FLAG,
     *LORA_FLAGS,
+    Flag("allow-runtime-lora-updating", bool, False,
+         "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's runtime LoRA updates, which "
+         "it allows with VLLM_ALLOW_RUNTIME_LORA_UPDATING): the router's adapter list is then what every "
+         "worker serves, brought to a restarted worker at its next health probe. Needs --enable-lora and "
+         "--processes 1"),
     Flag("served-model-name", str, [],
          "model names clients may send, repeatable (env: comma-separated); the first names responses and "
          "labels metrics (default: the model folder's name)", repeatable=True),

@@ -1,6 +1,6 @@
 """What the prefill and decode servicers answer alike: the checks a room passes before it is
 submitted (draining, --max-model-len, sampling parameters and grammar, KV capacity, a room
-already held), and the Abort, Load and ResetPrefixCache RPCs.
+already held), and the Abort, Load, ResetPrefixCache and LoRA adapter RPCs.
 
 Every refusal carries its code (services/common/refusal.py): the router decides by that code
 whether another worker may take the call, so both roles refuse alike."""
@@ -16,6 +16,7 @@ import grpc
 from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
 from services.common.lane_server import LaneServicerMixin, refusing
 from services.common.logging_setup import bound_room
+from services.common.lora_modules import LoraError, LoraModule
 from services.common.mesh_protocol import MIN_PEER_VERSION, PROTOCOL_VERSION, incompatibility
 from services.common.refusal import Refusal, length_refusal, refuse
 from services.common.sampling_params import SamplingParams
@@ -31,7 +32,8 @@ class WorkerServicer(LaneServicerMixin):
 
     def __init__(self, worker: Any, log_requests: bool = True):
         self.worker = worker
-        self.log_requests = log_requests  # --log-requests: a line as each request arrives and as it ends
+        self.log_requests = log_requests
+        self._lora_lock = asyncio.Lock()  # runtime LoRA loads, one at a time  # --log-requests: a line as each request arrives and as it ends
 
     def load_fields(self) -> dict[str, Any]:
         """What this role adds to its LoadReply (its transfer side's epoch, at least)."""
@@ -82,7 +84,35 @@ class WorkerServicer(LaneServicerMixin):
                              protocol_version=PROTOCOL_VERSION, min_protocol_version=MIN_PEER_VERSION,
                              kv_capacity_tokens=engine.capacity_tokens, max_model_len=engine.config.max_model_len,
                              prefix_cache_page_size=engine.pool.page_size if engine.prefix_cache else 0,
+                             lora_adapters=engine.adapters.names if engine.adapters is not None else (),
                              **self.load_fields())
+
+    async def LoadLoraAdapter(self, request, context):
+        """Load a LoRA adapter under a name (the router's runtime LoRA updates); serialized, so
+        two loads never attach to one layer at once. INVALID_ARGUMENT names what is wrong."""
+        adapters = self.worker.engine.adapters
+        if adapters is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "LoRA is off on this worker (--enable-lora)")
+        async with self._lora_lock:
+            try:
+                # reading the folder takes time: off the loop; a new name is read by no running forward
+                await asyncio.to_thread(adapters.load, LoraModule(request.name, request.path))
+            except LoraError as e:
+                code = grpc.StatusCode.ALREADY_EXISTS if request.name in adapters else grpc.StatusCode.INVALID_ARGUMENT
+                await context.abort(code, str(e))
+        self.log.info("lora adapter loaded", adapter=request.name, path=request.path)
+        return wpb.LoraAdapterReply(adapters=adapters.names)
+
+    async def UnloadLoraAdapter(self, request, context):
+        """Stop serving an adapter: new requests naming it are refused from now on, and its weights
+        go once the requests already using it end."""
+        adapters = self.worker.engine.adapters
+        if adapters is None or request.name not in adapters:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"The LoRA adapter {request.name!r} cannot be found.")
+        adapters.retire(request.name)
+        self.worker.engine.detach_retired_loras(self.worker.jobs.values())
+        self.log.info("lora adapter unloaded", adapter=request.name)
+        return wpb.LoraAdapterReply(adapters=adapters.names)
 
     async def ResetPrefixCache(self, request, context):
         dropped = self.worker.reset_prefix_cache()

@@ -165,6 +165,8 @@ class DecodeWorker:
         still WRITE into them), the receiver forgets the room, the job leaves the table."""
         if self.jobs.pop(job.room, None) is None:
             return
+        if job.params.lora_name:
+            self.engine.detach_retired_loras(self.jobs.values())
         if job.pages is not None:
             alloc = self.engine.pool.allocator
             if job.ended_in in PAGES_EXPOSED:

@@ -15,6 +15,12 @@ the LM head as targets, alpha_pattern, fan_in_fan_out, and the other PEFT method
 
 The weights are kept in the model's dtype on its device. `LoraSelection` says, for the forward
 being run, which rows belong to which adapter; the runner sets it around each forward.
+
+Adapters may also be loaded and unloaded while the worker serves (the router's runtime LoRA
+updates). Loading attaches the new weights under a new name, which no running forward reads.
+Unloading first retires the name — it takes no new request — and detaches the weights only once
+no request of the worker uses it (`detach_unused`, called by the worker as its requests end), so
+a request never changes weights halfway.
 """
 
 from __future__ import annotations
@@ -139,7 +145,8 @@ class LoraAdapters:
         self.model = model
         self.max_rank = max_rank
         self.selection = LoraSelection()
-        self.paths: dict[str, str] = {}
+        self.paths: dict[str, str] = {}  # served: name -> folder
+        self.retired: dict[str, str] = {}  # unloaded, weights kept while requests use them
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         for module in modules:
@@ -152,7 +159,27 @@ class LoraAdapters:
     def __contains__(self, name: str) -> bool:
         return name in self.paths
 
+    def retire(self, name: str) -> None:
+        """Stop serving `name` (KeyError if it is not served); its weights stay until detached."""
+        self.retired[name] = self.paths.pop(name)
+
+    def detach_unused(self, in_use: set[str]) -> list[str]:
+        """Detach the retired adapters no request uses any more; returns their names."""
+        gone = [name for name in self.retired if name not in in_use]
+        for name in gone:
+            del self.retired[name]
+            for module in self.model.modules():
+                lora = getattr(module, "lora", None)
+                if lora is not None:
+                    lora.weights.pop(name, None)
+        return gone
+
     def load(self, module: LoraModule) -> None:
+        if module.name in self.paths:
+            raise LoraError(f"The LoRA adapter {module.name!r} has already been loaded.")
+        if module.name in self.retired:
+            raise LoraError(f"The LoRA adapter {module.name!r} was unloaded and requests still use it; load it "
+                            "again once they end.")
         folder = pathlib.Path(module.path)
         if not folder.is_dir():
             raise LoraError(f"LoRA adapter {module.name!r}: {folder} is not a folder")

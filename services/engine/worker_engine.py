@@ -17,7 +17,7 @@ import dataclasses
 import pathlib
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import structlog
@@ -134,6 +134,16 @@ class WorkerEngine:
         if name and (self.adapters is None or name not in self.adapters):
             served = ", ".join(self.adapters.names) if self.adapters and self.adapters.names else "none"
             raise ValueError(f"LoRA adapter {name!r} is not served by this worker (its adapters: {served})")
+
+    def detach_retired_loras(self, live_jobs: Iterable[Any]) -> None:
+        """Detach the unloaded LoRA adapters none of `live_jobs` (the worker's jobs table) uses:
+        called when an adapter is unloaded and whenever a job leaves the table."""
+        adapters = self.adapters
+        if adapters is None or not adapters.retired:
+            return
+        gone = adapters.detach_unused({job.params.lora_name for job in live_jobs})
+        if gone:
+            log.info("lora adapters detached", adapters=gone)
 
     def forget_room(self, room: int) -> None:
         """The room's per-request engine state (its grammar matcher) is no longer needed."""

@@ -187,6 +187,8 @@ class PrefillWorker:
         """Exactly once per job: pages back to the pool, the sender forgets the room."""
         if self.jobs.pop(job.room, None) is None:
             return
+        if job.params.lora_name:
+            self.engine.detach_retired_loras(self.jobs.values())
         if job.pages is not None:
             # a NIXL handle that could not be released yet may still read these pages: the
             # sender frees them once nothing references the room (at once in the usual case)

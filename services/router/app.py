@@ -65,12 +65,16 @@ def create_app(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> 
     app.state.router = router
     generation_routes.register(app, router)
 
+    schema_names: list[list[str]] = [[]]  # the served names the cached schema lists
+
     def custom_openapi() -> dict[str, Any]:
-        # FastAPI's own schema, plus the request models the routes parse by hand (services/router/openapi.py)
-        if app.openapi_schema is None:
+        # FastAPI's own schema, plus the request models the routes parse by hand (services/router/openapi.py);
+        # built again when the LoRA adapters change (runtime updates), since `model` lists them too
+        names = [router.info.name, *sorted(router.info.aliases - {router.info.name}), *router.info.adapters]
+        if app.openapi_schema is None or names != schema_names[0]:
             schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
-            names = [router.info.name, *sorted(router.info.aliases - {router.info.name})]
             app.openapi_schema = openapi.add_components(schema, names)
+            schema_names[0] = names
         return app.openapi_schema
 
     app.openapi = custom_openapi  # type: ignore[method-assign]

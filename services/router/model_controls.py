@@ -32,12 +32,19 @@ def served_names(model: str, explicit: list[str] | str, default_name: str) -> li
     return names or [default_name]
 
 
-def lora_adapters(enabled: bool, values: list[str], model_names: set[str]) -> dict[str, str]:
+def lora_adapters(enabled: bool, values: list[str], model_names: set[str], runtime: bool = False,
+                  processes: int = 1) -> dict[str, str]:
     """--lora-modules as name -> folder; as vLLM, they need --enable-lora, and an adapter may not
-    take a name of the base model (a request could not tell them apart)."""
+    take a name of the base model (a request could not tell them apart). `runtime`:
+    --allow-runtime-lora-updating, which needs --enable-lora and one process (whose list it changes)."""
     modules = parse_lora_modules(values)
     if modules and not enabled:
         raise ValueError("--lora-modules needs --enable-lora (as vLLM's)")
+    if runtime and not enabled:
+        raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
+    if runtime and processes > 1:
+        raise ValueError("--allow-runtime-lora-updating needs --processes 1: each process would keep its own "
+                         "list of adapters")
     clash = next((m.name for m in modules if m.name in model_names), None)
     if clash is not None:
         raise ValueError(f"--lora-modules: the adapter name {clash!r} is a name of the base model")

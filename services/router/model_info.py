@@ -91,6 +91,8 @@ def served_model(settings: RouterSettings, tokenizer: Tokenizer,
                      else randbits63,
                      max_logprobs=model_controls.max_logprobs(settings.max_logprobs),
                      adapters=model_controls.lora_adapters(settings.enable_lora, settings.lora_modules,
-                                                           {*names, *aliases}),
+                                                           {*names, *aliases},
+                                                           settings.allow_runtime_lora_updating,
+                                                           settings.processes),
                      limits=RequestLimits(settings.max_grammar_bytes, settings.max_request_worker_bytes))
     return names, info

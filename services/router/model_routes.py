@@ -1,15 +1,19 @@
 """GET /v1/models and /v1/models/{id}: the served model under each name clients may send, and
-each LoRA adapter (--lora-modules), whose card names the base model as its parent, as vLLM's."""
+each LoRA adapter (--lora-modules), whose card names the base model as its parent, as vLLM's.
+POST /v1/load_lora_adapter and /v1/unload_lora_adapter: vLLM's runtime LoRA updates, with the
+router's --allow-runtime-lora-updating (services/router/lora_updates.py); a 200 answers vLLM's
+plain-text sentence."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from services.router import errors
-from services.router.errors import APIError
+from services.router import errors, openapi
+from services.router.errors import APIError, bad_request
+from services.router.getters import get_str
 
 
 def model_card(router, name: str) -> dict[str, Any]:
@@ -62,3 +66,39 @@ def register(app: FastAPI, router) -> None:
         if model_id in router.info.adapters:
             return JSONResponse(adapter_card(router, model_id))
         return JSONResponse(model_card(router, model_id if model_id in router.names else router.info.name))
+
+    @app.post("/v1/load_lora_adapter", responses=openapi.error_responses())
+    async def load_lora_adapter(request: Request) -> Response:
+        """Load a LoRA adapter on every worker under a name ({"lora_name", "lora_path"}), as vLLM's."""
+        try:
+            router.check_auth(request)
+            name, path = await _lora_body(router, request, ("lora_name", "lora_path"))
+            await router.lora_updates.load(name, path)
+        except APIError as e:
+            return router.error_response(e)
+        router.count(200)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", responses=openapi.error_responses())
+    async def unload_lora_adapter(request: Request) -> Response:
+        """Unload a LoRA adapter ({"lora_name"}), as vLLM's: no new request may name it."""
+        try:
+            router.check_auth(request)
+            name, _ = await _lora_body(router, request, ("lora_name",))
+            await router.lora_updates.unload(name)
+        except APIError as e:
+            return router.error_response(e)
+        router.count(200)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+async def _lora_body(router, request: Request, required: tuple[str, ...]) -> tuple[str, str]:
+    """lora_name (and lora_path), each a non-empty string: vLLM's request bodies."""
+    body, _ = await router.read_json(request)
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.", code="invalid_json")
+    values = [get_str(body, name, "") for name in ("lora_name", "lora_path")]
+    if any(not values[i] for i, name in enumerate(("lora_name", "lora_path")) if name in required):
+        raise bad_request(f"{' and '.join(repr(n) for n in required)} must be provided.", param=required[-1]
+                          if values[0] else "lora_name", code="missing_required_parameter")
+    return values[0], values[1]

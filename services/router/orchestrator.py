@@ -199,6 +199,8 @@ class Orchestrator:
         # logprobs (decode would compute the whole prompt for them); after any failed attempt the
         # request goes through prefill, the path fail-over and migration were built on
         allow_local = spec.worker_prompt_logprobs is None
+        if spec.lora_name:  # its adapter's workers, while any serves it (a restarted one may not yet)
+            req.exclude |= self.pool.lacking(spec.lora_name)
         try:
             while True:
                 if loop.time() >= deadline:

@@ -99,6 +99,7 @@ class WorkerHandle:
     chosen_turn: int = 0  # the pool's count of pairs chosen when this prefill was last in one
     epoch: int = 0  # its start's id (last Load report; 0: not reported yet); a new one: it restarted
     prefix_page_size: int = 0  # tokens per page its prefix cache keys (last Load report; 0: no cache)
+    lora_adapters: frozenset[str] | None = None  # the LoRA adapters it serves (last Load report; None: none yet)
     last_error: str = ""
     incompatible: str = ""  # why its protocol version does not fit this router's ("" when it does)
     last_change: float = field(default_factory=time.time)
@@ -197,12 +198,20 @@ class WorkerPool:
         self._task: asyncio.Task | None = None
         self._probing: dict[WorkerHandle, asyncio.Task] = {}
         self._background: set[asyncio.Task] = set()
+        # called with a worker after each of its Load reports (the runtime LoRA adapters'
+        # reconciliation, services/router/lora_updates.py); None: nothing to do
+        self.on_load_report: Callable[[WorkerHandle], None] | None = None
         self._watchers: set[Callable[[WorkerHandle], None]] = set()
         self.leases = Ledger()  # the in-flight counts handed out by reserve() and not yet released
 
     @property
     def workers(self) -> list[WorkerHandle]:
         return [*self.prefills, *self.decodes]
+
+    def lacking(self, lora: str) -> set[WorkerHandle]:
+        """The workers whose last Load report did not list the LoRA adapter `lora`: a request of
+        it avoids them while another worker serves it (choose_pair's `exclude`)."""
+        return {w for w in self.workers if w.lora_adapters is not None and lora not in w.lora_adapters}
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -380,6 +389,9 @@ class WorkerPool:
         w.external_load = max(0, reply.queued + reply.running - ours - w.peer_inflight)
         w.capacity_tokens = reply.kv_capacity_tokens
         w.max_model_len = reply.max_model_len
+        w.lora_adapters = frozenset(reply.lora_adapters)
+        if self.on_load_report is not None:
+            self.on_load_report(w)
         self._note_epoch(w, reply.epoch, reply.prefix_cache_page_size)
         problem = incompatibility(f"{w.role} {w.addr}", reply.protocol_version, reply.min_protocol_version)
         self._set_incompatible(w, problem)

@@ -21,6 +21,7 @@ from services.router.canary import Canary
 from services.router.errors import APIError
 from services.router.http_errors import error_json
 from services.router.load_view import load_view
+from services.router.lora_updates import LoraUpdates
 from services.router.model_info import grammar_cost, served_model
 from services.router.orchestrator import Orchestrator, new_room
 from services.router.output import TokenStrings
@@ -83,6 +84,8 @@ class Router:
                                          stall_timeout=settings.stream_stall_timeout, metrics=self.metrics,
                                          log_requests=settings.log_requests)
         self.metrics.pairs_from(lambda: [(p.addr, d.addr) for p, d in self.pool.pairs.marks()])
+        self.lora_updates = LoraUpdates(self.pool, self.info, {*self.names, *self.info.aliases},
+                                        settings.allow_runtime_lora_updating)
         self.canary = Canary(self.pool, self.orchestrator.reap, self.tokenizer.encode("pdmesh canary"),
                              settings.canary_interval if settings.mode == "pd" else 0.0, settings.canary_timeout,
                              self.metrics, new_room)
@@ -120,6 +123,7 @@ class Router:
         if self.grammar_cost is not None:
             self.grammar_cost.close()
         await self.canary.close()
+        await self.lora_updates.close()
         await self.orchestrator.close()
         await self.pool.close()
         await self.exposition.close()

@@ -14,6 +14,8 @@ with adapters PEFT itself saved and answers compared with PEFT's own greedy gene
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -111,4 +113,93 @@ def test_unknown_adapters_are_refused(lora_mesh, tmp_path):
     resp = httpx.post(f"{other.http_url}/v1/completions", json={"model": "extra", "prompt": "x", "max_tokens": 2},
                       timeout=30)
     assert resp.status_code == 400 and "extra" in resp.json()["error"]["message"], resp.text
+    m.assert_invariants()
+
+
+def _served(proc, stub_class) -> set[str]:
+    """The adapters a worker reports in Load (what the router's probe reads)."""
+    import asyncio
+
+    import grpc
+
+    from services.common.generated.pdmesh.v1 import worker_pb2 as wpb
+    from services.common.mesh_protocol import MIN_PEER_VERSION, PROTOCOL_VERSION
+
+    async def load():
+        async with grpc.aio.insecure_channel(proc.grpc_addr) as channel:
+            return await stub_class(channel).Load(
+                wpb.LoadRequest(protocol_version=PROTOCOL_VERSION, min_protocol_version=MIN_PEER_VERSION), timeout=10)
+
+    return set(asyncio.run(load()).lora_adapters)
+
+
+def test_runtime_loading_unloading_and_a_restarted_worker(lora_mesh, tmp_path):
+    """Last in the module: it restarts the decode worker."""
+    import threading
+
+    from services.common.generated.pdmesh.v1 import worker_pb2_grpc as wpb_grpc
+    from services.launch.probes import wait_for
+
+    m, p, d, r, adapters = lora_mesh
+    static = ("--enable-lora", "--lora-modules", *(f"{n}={path}" for n, path in adapters.items()))
+    off = httpx.post(f"{r.http_url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path)})
+    assert off.status_code == 400 and "--allow-runtime-lora-updating" in off.json()["error"]["message"]
+    rr = m.start_router([p], [d], *static, "--allow-runtime-lora-updating", "--health-check-interval", "0.2")
+    late = make_adapter(tmp_path / "late", 5, targets=("q_proj", "up_proj"))
+    ids = TOK.encode("Open the file and")
+
+    resp = httpx.post(f"{rr.http_url}/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": late},
+                      timeout=60)
+    assert resp.status_code == 200 and resp.text == "Success: LoRA adapter 'late' added successfully."
+    assert "late" in {c["id"] for c in httpx.get(f"{rr.http_url}/v1/models").json()["data"]}
+
+    def schema_models():
+        schema = httpx.get(f"{rr.http_url}/openapi.json").json()
+        return set(schema["components"]["schemas"]["CompletionRequest"]["properties"]["model"]["enum"])
+
+    assert {"late", "sql", "poet", MODEL} <= schema_models()
+    assert complete(rr, "late", ids)["choices"][0]["token_ids"] == peft_greedy(late, ids, 10)
+    again = httpx.post(f"{rr.http_url}/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": late})
+    assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+    bad = httpx.post(f"{rr.http_url}/v1/load_lora_adapter",
+                     json={"lora_name": "broken", "lora_path": str(tmp_path / "nowhere")}, timeout=60)
+    assert bad.status_code == 400 and "not a folder" in bad.json()["error"]["message"], bad.text
+    assert {"broken"}.isdisjoint(_served(p, wpb_grpc.PrefillStub) | _served(d, wpb_grpc.DecodeStub))
+    missing = httpx.post(f"{rr.http_url}/v1/load_lora_adapter", json={"lora_name": "y"})
+    assert missing.status_code == 400
+
+    # unloaded mid-stream: the running request keeps its weights to the end, new ones are a 404
+    long = {"model": "late", "prompt": ids, "max_tokens": 160, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    got: list[int] = []
+    started = threading.Event()
+
+    def read():  # event by event, as they arrive
+        with httpx.stream("POST", f"{rr.http_url}/v1/completions", json={**long, "stream": True}, timeout=120) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    for c in json.loads(line[6:])["choices"]:
+                        got.extend(c.get("token_ids") or [])
+                    started.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert started.wait(60)
+    unload = httpx.post(f"{rr.http_url}/v1/unload_lora_adapter", json={"lora_name": "late"}, timeout=30)
+    assert unload.status_code == 200 and unload.text == "Success: LoRA adapter 'late' removed successfully."
+    assert reader.is_alive()  # unloaded while the request still ran
+    gone = httpx.post(f"{rr.http_url}/v1/completions", json={**long, "max_tokens": 2})
+    assert gone.status_code == 404
+    reader.join(120)
+    assert got == peft_greedy(late, ids, 160)
+    wait_for(lambda: "late" not in _served(d, wpb_grpc.DecodeStub), 20, "decode drops the unloaded adapter")
+    assert httpx.post(f"{rr.http_url}/v1/unload_lora_adapter", json={"lora_name": "late"}).status_code == 404
+    assert "late" not in schema_models()
+
+    # a restarted decode lacks what was loaded at runtime: the router brings it there
+    assert httpx.post(f"{rr.http_url}/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": late},
+                      timeout=60).status_code == 200
+    d2 = m.restart(d)
+    wait_for(lambda: "late" in _served(d2, wpb_grpc.DecodeStub), 30, "the restarted decode serves 'late' again")
+    assert complete(rr, "late", ids)["choices"][0]["token_ids"] == peft_greedy(late, ids, 10)
     m.assert_invariants()

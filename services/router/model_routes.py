@@ -72,7 +72,7 @@ def register(app: FastAPI, router) -> None:
         """Load a LoRA adapter on every worker under a name ({"lora_name", "lora_path"}), as vLLM's."""
         try:
             router.check_auth(request)
-            name, path = await _lora_body(router, request, ("lora_name", "lora_path"))
+            name, path = await _lora_body(router, request, with_path=True)
             await router.lora_updates.load(name, path)
         except APIError as e:
             return router.error_response(e)
@@ -84,7 +84,7 @@ def register(app: FastAPI, router) -> None:
         """Unload a LoRA adapter ({"lora_name"}), as vLLM's: no new request may name it."""
         try:
             router.check_auth(request)
-            name, _ = await _lora_body(router, request, ("lora_name",))
+            name, _ = await _lora_body(router, request, with_path=False)
             await router.lora_updates.unload(name)
         except APIError as e:
             return router.error_response(e)
@@ -92,13 +92,15 @@ def register(app: FastAPI, router) -> None:
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
-async def _lora_body(router, request: Request, required: tuple[str, ...]) -> tuple[str, str]:
-    """lora_name (and lora_path), each a non-empty string: vLLM's request bodies."""
+async def _lora_body(router, request: Request, with_path: bool) -> tuple[str, str]:
+    """vLLM's bodies: lora_name (and, to load, lora_path), each a non-empty string."""
     body, _ = await router.read_json(request)
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
-    values = [get_str(body, name, "") for name in ("lora_name", "lora_path")]
-    if any(not values[i] for i, name in enumerate(("lora_name", "lora_path")) if name in required):
-        raise bad_request(f"{' and '.join(repr(n) for n in required)} must be provided.", param=required[-1]
-                          if values[0] else "lora_name", code="missing_required_parameter")
-    return values[0], values[1]
+    name = get_str(body, "lora_name", "")
+    path = get_str(body, "lora_path", "") if with_path else ""
+    needed = ("lora_name", "lora_path") if with_path else ("lora_name",)
+    if not name or (with_path and not path):
+        raise bad_request(f"{' and '.join(repr(n) for n in needed)} must be provided.",
+                          param="lora_name" if not name else "lora_path", code="missing_required_parameter")
+    return name, path

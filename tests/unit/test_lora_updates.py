@@ -75,24 +75,18 @@ def test_load_reaches_every_worker_and_lists_the_adapter():
         asyncio.run(lu.load("base", "/a/x"))  # the model's own name
 
 
-def test_an_adapter_a_worker_finds_invalid_is_rolled_back():
+@pytest.mark.parametrize("code,status,says", [
+    (grpc.StatusCode.INVALID_ARGUMENT, 400, "cannot load sql"),  # the adapter itself is bad
+    (grpc.StatusCode.UNAVAILABLE, 503, "No healthy decode"),  # the only decode could not be reached
+])
+def test_a_load_the_decode_refuses_is_rolled_back(code, status, says):
     p = worker("prefill", 1)
-    d = worker("decode", 2, refuse={"bad": grpc.StatusCode.INVALID_ARGUMENT})
+    d = worker("decode", 2, refuse={"sql": code})
     lu, info, _ = updates([p], [d])
     with pytest.raises(APIError) as err:
-        asyncio.run(lu.load("bad", "/nowhere"))
-    assert err.value.status == 400 and "cannot load bad" in err.value.message
-    assert "bad" not in info.adapters and p.transport.adapters == [] and ("unload", "bad") in p.transport.calls
-
-
-def test_no_healthy_decode_loading_it_is_a_503():
-    p = worker("prefill", 1)
-    d = worker("decode", 2, refuse={"sql": grpc.StatusCode.UNAVAILABLE})
-    lu, info, _ = updates([p], [d])
-    with pytest.raises(APIError) as err:
-        asyncio.run(lu.load("sql", "/a"))
-    assert err.value.status == 503 and "decode" in err.value.message and "sql" not in info.adapters
-    assert p.transport.adapters == []
+        asyncio.run(lu.load("sql", "/a/sql"))
+    assert err.value.status == status and says in err.value.message
+    assert "sql" not in info.adapters and p.transport.adapters == [] and ("unload", "sql") in p.transport.calls
 
 
 def test_unload_takes_the_name_off_first():

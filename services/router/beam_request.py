@@ -12,19 +12,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from services.common.sampling_params import api_fields
 from services.router.beam_search import MAX_WIDTH
 from services.router.errors import bad_request
 from services.router.getters import get_bool, get_float
 
-# field -> values that leave sampling as beam search ranks it (None: absent or null)
+# the scalar fields that shape which token is sampled (min_tokens and ignore_eos the search honours)
+_SHAPING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+# field -> values that leave sampling as beam search ranks it (None: absent or null): each scalar's
+# declared default, greedy (temperature 0) and vLLM's "off" for top_k (-1); the token masks empty
 SAMPLING_DEFAULTS: dict[str, tuple[Any, ...]] = {
-    "temperature": (None, 0, 1),
-    "top_p": (None, 1),
-    "top_k": (None, 0, -1),
-    "min_p": (None, 0),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1),
+    **{name: (None, default, *{"temperature": (0,), "top_k": (-1,)}.get(name, ()))
+       for name, default, _ in api_fields() if name in _SHAPING},
     "logit_bias": (None, {}),
     "allowed_token_ids": (None,),
     "bad_words": (None, []),

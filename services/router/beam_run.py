@@ -23,6 +23,7 @@ from dataclasses import replace
 from services.router.attempt import Chunk
 from services.router.beam_search import Beam, BeamSearch
 from services.router.errors import bad_request
+from services.router.orchestrator import sampling_params
 from services.router.protocol import GenerateSpec
 from services.router.request_state import RequestState
 
@@ -46,7 +47,7 @@ class BeamRun:
         self.timeout = timeout
         self.requests = requests  # every step's request object, for the request's log line
         self.first_room = first_room
-        stop_ids = [*spec.stop_token_ids, *([] if spec.ignore_eos else orchestrator.eos_ids)]
+        stop_ids = sampling_params(spec, orchestrator.eos_ids).stop_token_ids  # as decode would stop
         self.search = BeamSearch(spec.n, spec.max_tokens, stop_ids, spec.min_tokens, spec.length_penalty)
         self.alternatives = max(self.search.candidates, spec.logprobs or 0)
         self.cached_tokens = 0

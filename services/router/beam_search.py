@@ -23,9 +23,11 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
+from services.common.sampling_params import MAX_TOP_LOGPROBS
+
 TopTokens = Sequence[tuple[int, float]]  # (token id, logprob), most likely first
 
-MAX_WIDTH = 10  # beams per prompt: each step asks 2 x width alternatives, and the workers give at most 20
+MAX_WIDTH = MAX_TOP_LOGPROBS // 2  # beams per prompt: each step asks the workers 2 x width alternatives
 
 
 @dataclass

@@ -4,8 +4,9 @@ router's --allow-runtime-lora-updating.
 With it the router's list of adapters (`ModelInfo.adapters`: --lora-modules, then what was loaded
 or unloaded since) is what every worker serves:
 
-- **load** asks every worker at once to load the folder (each reads it from its own filesystem,
-  each call bounded). A worker that finds the adapter invalid fails the load: it is unloaded again
+- **load** asks every healthy worker at once to load the folder (each reads it from its own
+  filesystem, each call bounded by LOAD_TIMEOUT_S; an ejected worker gets it by reconciliation,
+  below, rather than holding the call until its timeout). A worker that finds the adapter invalid fails the load: it is unloaded again
   from the others and the client gets a 400 with that worker's reason. Otherwise, once at least one
   healthy decode (and, with prefill workers, one healthy prefill) serves it, the router lists it;
   a worker that did not answer gets it later (below).
@@ -70,7 +71,7 @@ class LoraUpdates:
             if name in self.adapters:
                 raise bad_request(f"The lora adapter '{name}' has already been loaded.", param="lora_name",
                                   code="invalid_value")
-            workers = self._workers()
+            workers = [w for w in self._workers() if w.healthy]
             results = await asyncio.gather(*(self._load_one(w, name, path) for w in workers))
             loaded = [w for w, (ok, _) in zip(workers, results, strict=True) if ok]
             refused = [(w, why) for w, (ok, why) in zip(workers, results, strict=True)

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from services.router import errors, openapi
 from services.router.errors import APIError, bad_request
-from services.router.getters import get_str
+from services.router.getters import get_bool, get_str
 
 
 def model_card(router, name: str) -> dict[str, Any]:
@@ -99,6 +99,9 @@ async def _lora_body(router, request: Request, with_path: bool) -> tuple[str, st
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
     name = get_str(body, "lora_name", "")
     path = get_str(body, "lora_path", "") if with_path else ""
+    if with_path and get_bool(body, "load_inplace", False):
+        raise bad_request("'load_inplace' is not supported: unload the adapter, then load it again.",
+                          param="load_inplace", code="unsupported_value")
     needed = ("lora_name", "lora_path") if with_path else ("lora_name",)
     if not name or (with_path and not path):
         raise bad_request(f"{' and '.join(repr(n) for n in needed)} must be provided.",

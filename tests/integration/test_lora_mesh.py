@@ -167,6 +167,9 @@ def test_runtime_loading_unloading_and_a_restarted_worker(lora_mesh, tmp_path):
     assert {"broken"}.isdisjoint(_served(p, wpb_grpc.PrefillStub) | _served(d, wpb_grpc.DecodeStub))
     missing = httpx.post(f"{rr.http_url}/v1/load_lora_adapter", json={"lora_name": "y"})
     assert missing.status_code == 400
+    inplace = httpx.post(f"{rr.http_url}/v1/load_lora_adapter",
+                         json={"lora_name": "late", "lora_path": late, "load_inplace": True})
+    assert inplace.status_code == 400 and inplace.json()["error"]["param"] == "load_inplace"
 
     # unloaded mid-stream: the running request keeps its weights to the end, new ones are a 404
     long = {"model": "late", "prompt": ids, "max_tokens": 160, "temperature": 0, "ignore_eos": True,

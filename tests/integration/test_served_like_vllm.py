@@ -167,6 +167,7 @@ def test_beam_search_refuses_what_it_cannot_honour(router, extra, param):
     body = {"model": MODEL, "prompt": "The", "max_tokens": 4, "use_beam_search": True, **extra}
     resp = httpx.post(f"{r.http_url}/v1/completions", json=body, timeout=30)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+    m.assert_invariants()
 
 
 def test_a_client_leaving_mid_search_ends_every_step(router):

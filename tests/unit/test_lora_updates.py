@@ -89,6 +89,14 @@ def test_a_load_the_decode_refuses_is_rolled_back(code, status, says):
     assert "sql" not in info.adapters and p.transport.adapters == [] and ("unload", "sql") in p.transport.calls
 
 
+def test_an_ejected_worker_is_not_waited_for():
+    p, d, out = worker("prefill", 1), worker("decode", 2), worker("decode", 3)
+    out.healthy = False
+    lu, info, _ = updates([p], [d, out])
+    asyncio.run(lu.load("sql", "/a/sql"))
+    assert "sql" in info.adapters and out.transport.calls == []  # reconciliation brings it there later
+
+
 def test_unload_takes_the_name_off_first():
     p, d = worker("prefill", 1, adapters=["sql"]), worker("decode", 2, adapters=["sql"])
     lu, info, _ = updates([p], [d], {"sql": "/a"})
